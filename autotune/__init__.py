@@ -1,0 +1,1 @@
+"""Profiling kernel configurations and recording the winners."""

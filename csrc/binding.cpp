@@ -1,0 +1,90 @@
+// pybind11 module kvsplit._ext: casts integer pointers, strides and the stream
+// handle into MergeParams and calls the launchers. No torch, no logic; CUDA
+// errors become Python exceptions here and only here.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+
+#include "kvsplit/launch.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using kvsplit::DType;
+using kvsplit::KernelChoice;
+using kvsplit::MergeParams;
+using kvsplit::StatsFormat;
+
+template <typename T>
+T* as_pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+MergeParams make_params(uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
+                        uintptr_t sinks, uintptr_t out, uintptr_t out_stats, int64_t num_splits,
+                        int64_t rows, int64_t heads, int64_t o_stride_split, int64_t o_stride_row,
+                        int64_t stats_stride_split, int64_t stats_stride_row,
+                        int64_t out_stride_row, float log2_scale, float export_scale) {
+  return MergeParams{as_pointer<const void>(partial_o), as_pointer<const float>(stats),
+                     as_pointer<const int32_t>(split_counts), as_pointer<const float>(sinks),
+                     as_pointer<void>(out), as_pointer<float>(out_stats), num_splits, rows, heads,
+                     o_stride_split, o_stride_row, stats_stride_split, stats_stride_row,
+                     out_stride_row, log2_scale, export_scale};
+}
+
+KernelChoice make_choice(int head_dim, int partial_dtype, int out_dtype, int stats_format,
+                         int kv_split) {
+  return KernelChoice{head_dim, static_cast<DType>(partial_dtype), static_cast<DType>(out_dtype),
+                      static_cast<StatsFormat>(stats_format), kv_split};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "kvsplit kernels: pointer-level entry points (use kvsplit.merge_* instead)";
+  m.attr("build_hash") = KVSPLIT_BUILD_HASH;
+  m.attr("version") = KVSPLIT_VERSION;
+#if defined(KVSPLIT_WITH_CUDA)
+  m.attr("cuda_architectures") = KVSPLIT_CUDA_ARCHITECTURES;
+#else
+  m.attr("cuda_architectures") = "";
+#endif
+
+  m.def(
+      "merge_cpu",
+      [](uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts, uintptr_t sinks,
+         uintptr_t out, uintptr_t out_stats, int64_t num_splits, int64_t rows, int64_t heads,
+         int64_t o_stride_split, int64_t o_stride_row, int64_t stats_stride_split,
+         int64_t stats_stride_row, int64_t out_stride_row, float log2_scale, float export_scale,
+         int head_dim, int partial_dtype, int out_dtype, int stats_format, int kv_split) {
+        kvsplit::merge_cpu(
+            make_params(partial_o, stats, split_counts, sinks, out, out_stats, num_splits, rows,
+                        heads, o_stride_split, o_stride_row, stats_stride_split,
+                        stats_stride_row, out_stride_row, log2_scale, export_scale),
+            make_choice(head_dim, partial_dtype, out_dtype, stats_format, kv_split));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+#if defined(KVSPLIT_WITH_CUDA)
+  m.def("merge_cuda",
+        [](uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts, uintptr_t sinks,
+           uintptr_t out, uintptr_t out_stats, int64_t num_splits, int64_t rows, int64_t heads,
+           int64_t o_stride_split, int64_t o_stride_row, int64_t stats_stride_split,
+           int64_t stats_stride_row, int64_t out_stride_row, float log2_scale,
+           float export_scale, int head_dim, int partial_dtype, int out_dtype, int stats_format,
+           int kv_split, int sm_count, bool pdl, uintptr_t stream) {
+          const int status = kvsplit::merge_cuda(
+              make_params(partial_o, stats, split_counts, sinks, out, out_stats, num_splits, rows,
+                          heads, o_stride_split, o_stride_row, stats_stride_split,
+                          stats_stride_row, out_stride_row, log2_scale, export_scale),
+              make_choice(head_dim, partial_dtype, out_dtype, stats_format, kv_split), sm_count,
+              pdl, as_pointer<void>(stream));
+          if (status != 0) {
+            throw std::runtime_error("kvsplit: CUDA launch failed: " +
+                                     kvsplit::cuda_error_string(status));
+          }
+        });
+#endif
+}

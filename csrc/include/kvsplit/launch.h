@@ -1,0 +1,23 @@
+// Non-template entry points that the binding calls. They take the stream as
+// a plain pointer and return CUDA errors as ints so that the binding compiles
+// with the host C++ compiler alone, with no CUDA headers.
+#pragma once
+
+#include <string>
+
+#include "kvsplit/params.h"
+
+namespace kvsplit {
+
+// Merges on the CPU with the same K-group structure as the CUDA kernel.
+// Throws std::invalid_argument for an unsupported configuration.
+void merge_cpu(const MergeParams& params, const KernelChoice& choice);
+
+#if defined(KVSPLIT_WITH_CUDA)
+// Enqueues the merge on `stream` (a cudaStream_t); returns a cudaError_t value.
+int merge_cuda(const MergeParams& params, const KernelChoice& choice, int sm_count, bool pdl,
+               void* stream);
+std::string cuda_error_string(int status);
+#endif
+
+}  // namespace kvsplit

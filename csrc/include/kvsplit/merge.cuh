@@ -1,0 +1,236 @@
+// The KvSplit merge kernel and its typed host launcher.
+//
+// 512 threads per CTA, each owning 16 bytes of one output row. The threads
+// form kKvSplit groups; every group covers the same rows ("a slice") and runs
+// the online-softmax merge over partials g, g + K, g + 2K, ...; group 0 then
+// folds the other groups' states in through shared memory and stores. A
+// larger K means fewer rows per CTA, hence K times more CTAs and K times
+// shorter serial chains per thread.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kvsplit/dispatch.h"
+#include "kvsplit/merge_math.h"
+#include "kvsplit/params.h"
+
+namespace kvsplit {
+
+constexpr int kThreadsPerCta = 512;
+constexpr int kBytesPerThread = 16;
+constexpr int kLoadUnroll = 4;
+constexpr int kCtasPerSm = 2;
+
+template <DType kDType> struct CudaType;
+template <> struct CudaType<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <> struct CudaType<DType::kFloat16> { using type = __half; };
+template <> struct CudaType<DType::kFloat32> { using type = float; };
+
+template <DType kDType>
+constexpr int elem_bytes() { return static_cast<int>(sizeof(typename CudaType<kDType>::type)); }
+
+// Whether one group of 512 / K threads, 16 bytes each, holds a whole row.
+template <int kHeadDim, DType kPartial, int kKvSplit>
+constexpr bool group_holds_row() {
+  return (kThreadsPerCta / kKvSplit) * kBytesPerThread >= kHeadDim * elem_bytes<kPartial>();
+}
+
+template <int kVec, DType kDType>
+__device__ __forceinline__ void load_vec(const void* base, int64_t offset, float (&dst)[kVec]) {
+  using T = typename CudaType<kDType>::type;
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(base) + offset));
+  if constexpr (kDType == DType::kFloat32) {
+    static_assert(kVec == 4, "16 bytes of float32");
+    dst[0] = __uint_as_float(raw.x);
+    dst[1] = __uint_as_float(raw.y);
+    dst[2] = __uint_as_float(raw.z);
+    dst[3] = __uint_as_float(raw.w);
+  } else {
+    static_assert(kVec == 8, "16 bytes of a 16-bit type");
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 pair;
+      if constexpr (kDType == DType::kBFloat16) {
+        pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+      } else {
+        pair = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+      }
+      dst[2 * i] = pair.x;
+      dst[2 * i + 1] = pair.y;
+    }
+  }
+}
+
+template <int kVec, DType kDType>
+__device__ __forceinline__ void store_vec(void* base, int64_t offset, const float (&src)[kVec]) {
+  static_assert(kVec % 2 == 0, "stores go in pairs");
+  using T = typename CudaType<kDType>::type;
+  uint32_t words[kVec / 2];
+#pragma unroll
+  for (int i = 0; i < kVec / 2; ++i) {
+    if constexpr (kDType == DType::kBFloat16) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(src[2 * i], src[2 * i + 1]);
+      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    } else {
+      static_assert(kDType == DType::kFloat16, "outputs are 16-bit");
+      const __half2 pair = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
+      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+  }
+  T* dst = static_cast<T*>(base) + offset;
+  if constexpr (kVec == 8) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  }
+}
+
+// Programmatic dependent launch: wait for the producer's writes before the
+// first load; let the next kernel start its prologue once our loads are done.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
+__global__ void __launch_bounds__(kThreadsPerCta)
+    merge_kernel(const MergeParams p, int64_t num_slices) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kGroupThreads = kThreadsPerCta / kKvSplit;
+  constexpr int kThreadsPerRow = kHeadDim / kVec;
+  constexpr int kRowsPerSlice = kGroupThreads / kThreadsPerRow;
+  static_assert(kRowsPerSlice >= 1, "a group must hold a whole row");
+  // Groups 1..K-1 park (m, l) and acc[kVec] here for group 0; acc is stored
+  // vector-element-major so that a warp's stores hit consecutive banks.
+  constexpr int kParked = kKvSplit > 1 ? (kKvSplit - 1) * kGroupThreads : 1;
+  __shared__ float parked_ml[2][kParked];
+  __shared__ float parked_acc[kKvSplit > 1 ? kVec : 1][kParked];
+
+  const int group = threadIdx.x / kGroupThreads;
+  const int lane = threadIdx.x % kGroupThreads;
+  const int row_in_slice = lane / kThreadsPerRow;
+  const int col = (lane % kThreadsPerRow) * kVec;
+
+  pdl_wait();
+  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
+    const int64_t row = slice * kRowsPerSlice + row_in_slice;
+    const bool active = row < p.rows;
+    MergeState<kVec> state;
+    state.reset();
+    int num_splits = 0;
+    if (active) {
+      num_splits = static_cast<int>(p.num_splits);
+      if (p.split_counts != nullptr) {
+        num_splits = min(max(__ldg(p.split_counts + row), 0), num_splits);
+      }
+    }
+    if (group < num_splits) {
+      const int count = (num_splits - group + kKvSplit - 1) / kKvSplit;
+      const int last = group + (count - 1) * kKvSplit;
+      for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
+        float m_in[kLoadUnroll], l_in[kLoadUnroll], o_in[kLoadUnroll][kVec];
+#pragma unroll
+        for (int u = 0; u < kLoadUnroll; ++u) {
+          // A slot past the end re-reads the group's last partial and gets
+          // weight 0, so the loads stay unconditional and in bounds.
+          const bool live = j0 + u < count;
+          const int split = live ? group + (j0 + u) * kKvSplit : last;
+          const float* stat = p.stats + split * p.stats_stride_split + row * p.stats_stride_row;
+          const float m_raw = __ldg(stat);
+          l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(stat + 1) : 1.f;
+          m_in[u] = live ? m_raw * p.log2_scale : neg_inf();
+          load_vec<kVec, kPartial>(p.partial_o, split * p.o_stride_split + row * p.o_stride_row + col,
+                                   o_in[u]);
+        }
+        state.merge_batch(m_in, l_in, o_in);
+      }
+    }
+    pdl_trigger();
+
+    if constexpr (kKvSplit > 1) {
+      if (group > 0) {
+        const int slot = (group - 1) * kGroupThreads + lane;
+        parked_ml[0][slot] = state.m;
+        parked_ml[1][slot] = state.l;
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) parked_acc[v][slot] = state.acc[v];
+      }
+      __syncthreads();
+      if (group == 0) {
+#pragma unroll
+        for (int g = 1; g < kKvSplit; ++g) {
+          const int slot = (g - 1) * kGroupThreads + lane;
+          state.combine(parked_ml[0][slot], parked_ml[1][slot], &parked_acc[0][slot], kParked);
+        }
+      }
+    }
+
+    if (group == 0 && active) {
+      const float sink_log2 =
+          p.sinks != nullptr ? __ldg(p.sinks + row % p.heads) * kLog2E : neg_inf();
+      float out[kVec];
+      const float total = state.finalize(sink_log2, out);
+      store_vec<kVec, kOut>(p.out, row * p.out_stride_row + col, out);
+      if (p.out_stats != nullptr && col == 0) {
+        if constexpr (kFormat == StatsFormat::kMaxSum) {
+          p.out_stats[2 * row] = state.m * p.export_scale;
+          p.out_stats[2 * row + 1] = total;
+        } else {
+          p.out_stats[row] = (state.m + log2f(total)) * p.export_scale;
+        }
+      }
+    }
+    if constexpr (kKvSplit > 1) __syncthreads();  // parked_* is reused next slice
+  }
+}
+
+template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
+cudaError_t launch_merge_config(const MergeParams& p, int sm_count, bool pdl, cudaStream_t stream) {
+  if constexpr (!group_holds_row<kHeadDim, kPartial, kKvSplit>()) {
+    throw_unsupported("kv_split (a group of 512/kv_split threads must hold a whole row)", kKvSplit);
+  } else {
+    constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+    constexpr int kRowsPerSlice = (kThreadsPerCta / kKvSplit) / (kHeadDim / kVec);
+    if (p.rows == 0) return cudaSuccess;
+    const int64_t num_slices = (p.rows + kRowsPerSlice - 1) / kRowsPerSlice;
+    const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap));
+    config.blockDim = dim3(kThreadsPerCta);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>,
+                              p, num_slices);
+  }
+}
+
+template <DType kPartial, DType kOut, StatsFormat kFormat>
+cudaError_t launch_merge_typed(const MergeParams& p, int head_dim, int kv_split, int sm_count,
+                               bool pdl, cudaStream_t stream) {
+  cudaError_t status = cudaErrorInvalidValue;
+  KVSPLIT_DISPATCH_HEAD_DIM(head_dim, kHeadDim, {
+    KVSPLIT_DISPATCH_KV_SPLIT(kv_split, kKvSplit, {
+      status = launch_merge_config<kHeadDim, kPartial, kOut, kFormat, kKvSplit>(p, sm_count, pdl,
+                                                                               stream);
+    })
+  })
+  return status;
+}
+
+}  // namespace kvsplit

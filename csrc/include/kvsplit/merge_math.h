@@ -1,0 +1,114 @@
+// The online-softmax merge step, shared by the CUDA kernels and the CPU
+// implementation. Plain floats only: loading and converting the partials is
+// each implementation's business.
+//
+// Everything works in one domain: a partial is a state (m, l, acc) standing
+// for the softmax numerator acc * 2^m and denominator l * 2^m, where m is the
+// partial's maximum logit already multiplied into base 2 (maxsum stats: m =
+// scale_log2 * raw max; lse stats: m = lse in base 2, l = 1). Both stats
+// formats therefore share every line below.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define KVSPLIT_HD __host__ __device__ __forceinline__
+#else
+#define KVSPLIT_HD inline
+#endif
+
+namespace kvsplit {
+
+constexpr float kLog2E = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+KVSPLIT_HD float neg_inf() { return -INFINITY; }
+
+KVSPLIT_HD float fast_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  return exp2f(x);
+#else
+  return std::exp2(x);
+#endif
+}
+
+// max that lets a NaN in `b` through, so that a NaN stat poisons its row
+// instead of being silently dropped (fmaxf would drop it).
+KVSPLIT_HD float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// Weight of a state with maximum `m` once the running maximum is `m_new`.
+// An empty state (m = -inf) weighs exactly 0, even when m_new is -inf too,
+// which is what keeps empty rows free of NaN.
+KVSPLIT_HD float rescale_weight(float m, float m_new) {
+  return m == neg_inf() ? 0.f : fast_exp2(m - m_new);
+}
+
+template <int kVec>
+struct MergeState {
+  float m;
+  float l;
+  float acc[kVec];
+
+  KVSPLIT_HD void reset() {
+    m = neg_inf();
+    l = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc[v] = 0.f;
+  }
+
+  // Folds kDepth loaded partials into the state. The running max moves once
+  // per batch and the old state is rescaled before anything is added, so a
+  // padded slot (m = -inf) can never move the max without rescaling.
+  template <int kDepth>
+  KVSPLIT_HD void merge_batch(const float (&m_in)[kDepth], const float (&l_in)[kDepth],
+                              const float (&o_in)[kDepth][kVec]) {
+    float m_new = m;
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) m_new = max_keep_nan(m_new, m_in[j]);
+    const float alpha = rescale_weight(m, m_new);
+    l *= alpha;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc[v] *= alpha;
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) {
+      const float w = rescale_weight(m_in[j], m_new);
+      l += w * l_in[j];
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[v] += w * o_in[j][v];
+    }
+    m = m_new;
+  }
+
+  // Adds another group's state; empty groups are skipped outright so that
+  // whatever their accumulators hold never reaches the output.
+  KVSPLIT_HD void combine(float m_other, float l_other, const float* acc_other,
+                          int acc_stride) {
+    if (m_other == neg_inf()) return;
+    const float m_new = max_keep_nan(m, m_other);
+    const float a = rescale_weight(m, m_new);
+    const float b = rescale_weight(m_other, m_new);
+    l = l * a + l_other * b;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc[v] = acc[v] * a + acc_other[v * acc_stride] * b;
+    m = m_new;
+  }
+
+  // Normalises the state into `out` and returns the row's total denominator
+  // (sink included). `sink_log2` is the sink logit in base 2 (-inf: none).
+  // An empty row writes zeros and returns 0; its sink is ignored because a
+  // sink has zero output and nothing else would be normalised by it.
+  KVSPLIT_HD float finalize(float sink_log2, float (&out)[kVec]) const {
+    if (m == neg_inf()) {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) out[v] = 0.f;
+      return 0.f;
+    }
+    const float total = l + rescale_weight(sink_log2, m);
+    const float inv = 1.f / total;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out[v] = acc[v] * inv;
+    return total;
+  }
+};
+
+}  // namespace kvsplit

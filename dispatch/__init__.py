@@ -1,0 +1,1 @@
+"""Choosing a kernel configuration for each merge call."""

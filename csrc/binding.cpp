@@ -34,6 +34,14 @@ MergeParams make_params(uintptr_t partial_o, uintptr_t stats, uintptr_t split_co
                      out_stride_row, log2_scale, export_scale};
 }
 
+#if defined(KVSPLIT_WITH_CUDA)
+void check_cuda(int status) {
+  if (status != 0) {
+    throw std::runtime_error("kvsplit: CUDA launch failed: " + kvsplit::cuda_error_string(status));
+  }
+}
+#endif
+
 KernelChoice make_choice(int head_dim, int partial_dtype, int out_dtype, int stats_format,
                          int kv_split) {
   return KernelChoice{head_dim, static_cast<DType>(partial_dtype), static_cast<DType>(out_dtype),
@@ -75,16 +83,15 @@ PYBIND11_MODULE(_ext, m) {
            int64_t stats_stride_row, int64_t out_stride_row, float log2_scale,
            float export_scale, int head_dim, int partial_dtype, int out_dtype, int stats_format,
            int kv_split, int sm_count, bool pdl, uintptr_t stream) {
-          const int status = kvsplit::merge_cuda(
+          check_cuda(kvsplit::merge_cuda(
               make_params(partial_o, stats, split_counts, sinks, out, out_stats, num_splits, rows,
                           heads, o_stride_split, o_stride_row, stats_stride_split,
                           stats_stride_row, out_stride_row, log2_scale, export_scale),
               make_choice(head_dim, partial_dtype, out_dtype, stats_format, kv_split), sm_count,
-              pdl, as_pointer<void>(stream));
-          if (status != 0) {
-            throw std::runtime_error("kvsplit: CUDA launch failed: " +
-                                     kvsplit::cuda_error_string(status));
-          }
+              pdl, as_pointer<void>(stream)));
         });
+  m.def("launch_noop", [](int grid, uintptr_t stream) {
+    check_cuda(kvsplit::launch_noop(grid, as_pointer<void>(stream)));
+  });
 #endif
 }

@@ -18,6 +18,8 @@ void merge_cpu(const MergeParams& params, const KernelChoice& choice);
 int merge_cuda(const MergeParams& params, const KernelChoice& choice, int sm_count, bool pdl,
                void* stream);
 std::string cuda_error_string(int status);
+// An empty kernel of `grid` CTAs: the launch cost that bounds every merge from below.
+int launch_noop(int grid, void* stream);
 #endif
 
 }  // namespace kvsplit

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device run: install the carried wheels, build kvsplit, run the GPU tests
+# and the benchmarks, and leave every log under $OUT.
+#   usage: benchmarks/gpu_check.sh [STAGE ...]   stages: build tests all-tests bench tune
+#   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvsplit-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build tests bench)
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/kv:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  > "$OUT/nvidia-smi.txt" 2>&1
+
+status=0
+for stage in "${stages[@]}"; do
+  echo "=== $stage"
+  case $stage in
+    build)
+      python3 -m pip install -v --no-build-isolation --no-deps --target /tmp/kv . \
+        > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+      grep -E "warning|spill" "$OUT/build.log" | sort | uniq -c | head -20
+      python3 -P -c "import kvsplit._ext as e; print('built', e.build_hash, e.cuda_architectures)" ;;
+    tests)
+      python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    all-tests)
+      python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests_all.log" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bench)
+      python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -45
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    *)
+      if [ -f "benchmarks/$stage.py" ]; then
+        python3 -P "benchmarks/$stage.py" --out "$OUT" 2>&1 | tee "$OUT/$stage.log" | tail -40
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      else
+        echo "unknown stage $stage"; status=1
+      fi ;;
+  esac
+done
+exit $status

@@ -33,16 +33,17 @@ KS = (1, 2, 4, 8, 16)
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/us (bytes read + written)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy bandwidth in bytes/us (bytes read + written), by an SM kernel."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    timing = time_cuda_graph(lambda i: dst.copy_(src), batch=4, replays=5)
-    return 2 * src.numel() / timing.median_us
+    timing = time_cuda_graph(lambda i: torch.mul(src, 1.0, out=dst), batch=4, replays=7)
+    return 2 * src.numel() * 4 / timing.median_us
 
 
 def noop_launch_us() -> float:
-    stream = torch.cuda.current_stream().cuda_stream
-    return time_cuda_graph(lambda i: _native.ext().launch_noop(1, stream), batch=64).median_us
+    noop = _native.ext().launch_noop
+    return time_cuda_graph(lambda i: noop(1, torch.cuda.current_stream().cuda_stream),
+                           batch=64).median_us
 
 
 def make_set(num_splits: int, rows: int, head_dim: int, generator: torch.Generator):

@@ -66,7 +66,7 @@ void merge_rows(const MergeParams& p, StatsFormat format, int kv_split, int64_t 
           const int64_t base = split * p.o_stride_split + row * p.o_stride_row;
           for (int d = 0; d < kHeadDim; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
         }
-        state.merge_batch(m_in, l_in, o_in);
+        state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; });
       }
     }
     State& state = groups[0];

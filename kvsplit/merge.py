@@ -173,23 +173,27 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
         _native.ext().merge_cpu(*args)
 
 
-@torch.library.custom_op("kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))
-def merge_maxsum_out(partial_o: torch.Tensor, partial_stats: torch.Tensor, scale_log2: float,
-                     sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
-                     out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int) -> None:
-    """Custom op behind :func:`merge_maxsum`; ``kv_split`` 0 lets the dispatcher choose."""
+def _merge_maxsum_impl(partial_o: torch.Tensor, partial_stats: torch.Tensor, scale_log2: float,
+                       sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
+                       out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int) -> None:
+    """Writes the merge into ``out`` (and ``out_stats``); ``kv_split`` 0 lets the dispatcher choose."""
     _launch(MAXSUM, partial_o, partial_stats, sinks, split_counts, out, out_stats,
             scale_log2, _LN2, kv_split)
 
 
-@torch.library.custom_op("kvsplit::merge_lse_out", mutates_args=("out", "out_lse"))
-def merge_lse_out(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: float,
-                  sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
-                  out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int) -> None:
-    """Custom op behind :func:`merge_lse`; ``kv_split`` 0 lets the dispatcher choose."""
+def _merge_lse_impl(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: float,
+                    sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
+                    out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int) -> None:
+    """Writes the merge into ``out`` (and ``out_lse``); ``kv_split`` 0 lets the dispatcher choose."""
     to_log2 = 1.0 if base == 2.0 else _LOG2E
     _launch(LSE, partial_o, partial_lse, sinks, split_counts, out, out_lse,
             to_log2, 1.0 if base == 2.0 else _LN2, kv_split)
+
+
+merge_maxsum_out = torch.library.custom_op(
+    "kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))(_merge_maxsum_impl)
+merge_lse_out = torch.library.custom_op(
+    "kvsplit::merge_lse_out", mutates_args=("out", "out_lse"))(_merge_lse_impl)
 
 
 @merge_maxsum_out.register_fake
@@ -252,7 +256,7 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     if out is None:
         out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
     out_stats = partial_o.new_empty((rows, 2), dtype=torch.float32) if return_stats else None
-    _call(torch.ops.kvsplit.merge_maxsum_out, merge_maxsum_out, partial_o, partial_stats,
+    _call(merge_maxsum_out, _merge_maxsum_impl, partial_o, partial_stats,
           float(scale_log2), sinks, split_counts, out, out_stats, kv_split or 0)
     return (out, out_stats) if return_stats else out
 
@@ -291,6 +295,6 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     if out is None:
         out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
     out_lse = partial_o.new_empty((rows,), dtype=torch.float32) if return_lse else None
-    _call(torch.ops.kvsplit.merge_lse_out, merge_lse_out, partial_o, partial_lse, float(base),
+    _call(merge_lse_out, _merge_lse_impl, partial_o, partial_lse, float(base),
           sinks, split_counts, out, out_lse, kv_split or 0)
     return (out, out_lse) if return_lse else out

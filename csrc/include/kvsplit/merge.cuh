@@ -22,8 +22,22 @@ namespace kvsplit {
 
 constexpr int kThreadsPerCta = 512;
 constexpr int kBytesPerThread = 16;
-constexpr int kLoadUnroll = 4;
 constexpr int kCtasPerSm = 2;
+
+// Experiment knobs (benchmarks/lab compiles variants); the defaults are the product.
+#ifndef KVSPLIT_PREFETCH
+#define KVSPLIT_PREFETCH 1
+#endif
+#ifndef KVSPLIT_MIN_CTAS
+#define KVSPLIT_MIN_CTAS kCtasPerSm
+#endif
+#ifndef KVSPLIT_LOAD_UNROLL
+#define KVSPLIT_LOAD_UNROLL 4
+#endif
+constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
+#ifndef KVSPLIT_LAUNCH_EX
+#define KVSPLIT_LAUNCH_EX 1
+#endif
 
 template <DType kDType> struct CudaType;
 template <> struct CudaType<DType::kBFloat16> { using type = __nv_bfloat16; };
@@ -39,30 +53,19 @@ constexpr bool group_holds_row() {
   return (kThreadsPerCta / kKvSplit) * kBytesPerThread >= kHeadDim * elem_bytes<kPartial>();
 }
 
-template <int kVec, DType kDType>
-__device__ __forceinline__ void load_vec(const void* base, int64_t offset, float (&dst)[kVec]) {
-  using T = typename CudaType<kDType>::type;
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(base) + offset));
+// Element v of 16 packed bytes, as float. `v` is a compile-time constant after
+// unrolling, so the word index never sends `packed` to local memory.
+template <DType kDType>
+__device__ __forceinline__ float unpack(const uint4& packed, int v) {
+  const uint32_t* words = &packed.x;
   if constexpr (kDType == DType::kFloat32) {
-    static_assert(kVec == 4, "16 bytes of float32");
-    dst[0] = __uint_as_float(raw.x);
-    dst[1] = __uint_as_float(raw.y);
-    dst[2] = __uint_as_float(raw.z);
-    dst[3] = __uint_as_float(raw.w);
+    return __uint_as_float(words[v]);
+  } else if constexpr (kDType == DType::kBFloat16) {
+    const uint32_t word = words[v / 2];
+    return __uint_as_float(v % 2 ? word & 0xffff0000u : word << 16);
   } else {
-    static_assert(kVec == 8, "16 bytes of a 16-bit type");
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 pair;
-      if constexpr (kDType == DType::kBFloat16) {
-        pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-      } else {
-        pair = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
-      }
-      dst[2 * i] = pair.x;
-      dst[2 * i + 1] = pair.y;
-    }
+    const uint32_t word = words[v / 2];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(v % 2 ? word >> 16 : word)));
   }
 }
 
@@ -104,7 +107,7 @@ __device__ __forceinline__ void pdl_trigger() {
 }
 
 template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
-__global__ void __launch_bounds__(kThreadsPerCta)
+__global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     merge_kernel(const MergeParams p, int64_t num_slices) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kGroupThreads = kThreadsPerCta / kKvSplit;
@@ -113,6 +116,7 @@ __global__ void __launch_bounds__(kThreadsPerCta)
   static_assert(kRowsPerSlice >= 1, "a group must hold a whole row");
   // Groups 1..K-1 park (m, l) and acc[kVec] here for group 0; acc is stored
   // vector-element-major so that a warp's stores hit consecutive banks.
+  using Partial = typename CudaType<kPartial>::type;
   constexpr int kParked = kKvSplit > 1 ? (kKvSplit - 1) * kGroupThreads : 1;
   __shared__ float parked_ml[2][kParked];
   __shared__ float parked_acc[kKvSplit > 1 ? kVec : 1][kParked];
@@ -136,24 +140,60 @@ __global__ void __launch_bounds__(kThreadsPerCta)
       }
     }
     if (group < num_splits) {
+      // Walk partials group, group + K, ... with cursors; a batch of kLoadUnroll
+      // is in registers (packed) while the next batch is already in flight.
       const int count = (num_splits - group + kKvSplit - 1) / kKvSplit;
-      const int last = group + (count - 1) * kKvSplit;
-      for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
-        float m_in[kLoadUnroll], l_in[kLoadUnroll], o_in[kLoadUnroll][kVec];
+      const Partial* o_cursor = static_cast<const Partial*>(p.partial_o) +
+                                group * p.o_stride_split + row * p.o_stride_row + col;
+      const float* s_cursor = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
+      const int64_t o_step = kKvSplit * p.o_stride_split;
+      const int64_t s_step = kKvSplit * p.stats_stride_split;
+      const Partial* o_last = o_cursor + (count - 1) * o_step;
+      const float* s_last = s_cursor + (count - 1) * s_step;
+
+      uint4 packed[kLoadUnroll];
+      float2 stat[kLoadUnroll];
+      // A slot past the end re-reads the group's last partial and gets weight
+      // 0 below, so loads stay unconditional and in bounds.
+      auto load_batch = [&](int j0, uint4 (&o_dst)[kLoadUnroll], float2 (&s_dst)[kLoadUnroll]) {
 #pragma unroll
         for (int u = 0; u < kLoadUnroll; ++u) {
-          // A slot past the end re-reads the group's last partial and gets
-          // weight 0, so the loads stay unconditional and in bounds.
           const bool live = j0 + u < count;
-          const int split = live ? group + (j0 + u) * kKvSplit : last;
-          const float* stat = p.stats + split * p.stats_stride_split + row * p.stats_stride_row;
-          const float m_raw = __ldg(stat);
-          l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(stat + 1) : 1.f;
-          m_in[u] = live ? m_raw * p.log2_scale : neg_inf();
-          load_vec<kVec, kPartial>(p.partial_o, split * p.o_stride_split + row * p.o_stride_row + col,
-                                   o_in[u]);
+          const Partial* o_ptr = live ? o_cursor + u * o_step : o_last;
+          const float* s_ptr = live ? s_cursor + u * s_step : s_last;
+          o_dst[u] = __ldg(reinterpret_cast<const uint4*>(o_ptr));
+          if constexpr (kFormat == StatsFormat::kMaxSum) {
+            s_dst[u] = __ldg(reinterpret_cast<const float2*>(s_ptr));
+          } else {
+            s_dst[u] = make_float2(__ldg(s_ptr), 1.f);
+          }
         }
-        state.merge_batch(m_in, l_in, o_in);
+        o_cursor += kLoadUnroll * o_step;
+        s_cursor += kLoadUnroll * s_step;
+      };
+      load_batch(0, packed, stat);
+      for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
+        uint4 next_packed[kLoadUnroll];
+        float2 next_stat[kLoadUnroll];
+        if (KVSPLIT_PREFETCH && j0 + kLoadUnroll < count) {
+          load_batch(j0 + kLoadUnroll, next_packed, next_stat);
+        }
+        float m_in[kLoadUnroll], l_in[kLoadUnroll];
+#pragma unroll
+        for (int u = 0; u < kLoadUnroll; ++u) {
+          m_in[u] = j0 + u < count ? stat[u].x * p.log2_scale : neg_inf();
+          l_in[u] = stat[u].y;
+        }
+        state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
+        if (!KVSPLIT_PREFETCH && j0 + kLoadUnroll < count) {
+          load_batch(j0 + kLoadUnroll, packed, stat);
+        } else {
+#pragma unroll
+          for (int u = 0; u < kLoadUnroll; ++u) {
+            packed[u] = next_packed[u];
+            stat[u] = next_stat[u];
+          }
+        }
       }
     }
     pdl_trigger();
@@ -205,6 +245,14 @@ cudaError_t launch_merge_config(const MergeParams& p, int sm_count, bool pdl, cu
     if (p.rows == 0) return cudaSuccess;
     const int64_t num_slices = (p.rows + kRowsPerSlice - 1) / kRowsPerSlice;
     const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
+#if !KVSPLIT_LAUNCH_EX
+    if (!pdl) {
+      merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>
+          <<<static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap), kThreadsPerCta, 0,
+             stream>>>(p, num_slices);
+      return cudaGetLastError();
+    }
+#endif
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap));
     config.blockDim = dim3(kThreadsPerCta);

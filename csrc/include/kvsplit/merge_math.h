@@ -59,9 +59,11 @@ struct MergeState {
   // Folds kDepth loaded partials into the state. The running max moves once
   // per batch and the old state is rescaled before anything is added, so a
   // padded slot (m = -inf) can never move the max without rescaling.
-  template <int kDepth>
+  // `o_at(j, v)` yields element v of partial j, so that callers can keep the
+  // partials packed (16-bit) in registers until this very multiply.
+  template <int kDepth, typename OAt>
   KVSPLIT_HD void merge_batch(const float (&m_in)[kDepth], const float (&l_in)[kDepth],
-                              const float (&o_in)[kDepth][kVec]) {
+                              OAt&& o_at) {
     float m_new = m;
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) m_new = max_keep_nan(m_new, m_in[j]);
@@ -74,7 +76,7 @@ struct MergeState {
       const float w = rescale_weight(m_in[j], m_new);
       l += w * l_in[j];
 #pragma unroll
-      for (int v = 0; v < kVec; ++v) acc[v] += w * o_in[j][v];
+      for (int v = 0; v < kVec; ++v) acc[v] += w * o_at(j, v);
     }
     m = m_new;
   }

@@ -98,3 +98,17 @@ def time_host(launch: Callable[[int], None], *, batch: int = 4, replays: int = 9
             launch(i)
         samples.append((time.perf_counter() - begin) * 1e6 / batch)
     return summarize(samples)
+
+
+def spin_up_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for ``seconds`` so that clocks are up before timing.
+
+    An idle H200 sits at a few hundred MHz; the first milliseconds of a
+    benchmark would otherwise measure the ramp.
+    """
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()

@@ -24,7 +24,7 @@ import torch
 
 import kvsplit
 from kvsplit import _native
-from kvsplit.autotune.timing import time_cuda_graph, time_cuda_stream
+from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph, time_cuda_stream
 from kvsplit.dispatch.constraints import num_ctas, valid_kv_splits
 
 SHAPES = [(512, 64), (512, 128), (512, 512), (512, 2048), (128, 32), (128, 256), (128, 2048)]
@@ -126,6 +126,7 @@ def main() -> int:
         return 1
     props = torch.cuda.get_device_properties(0)
     generator = torch.Generator().manual_seed(0)
+    spin_up_gpu()
     bandwidth = copy_bandwidth()
     noop_us = noop_launch_us()
     print(f"{props.name}: {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB, "

@@ -1,19 +1,44 @@
-"""Per-call choice of kv_split: a forced or heuristic K, then the constraints."""
+"""Per-call choice of kv_split: cached choice -> constraints -> launch.
+
+After the first call of a shape, :meth:`Dispatcher.choose` is one dictionary
+lookup (no SQL, no device sync, no allocation). The slow path, taken once per
+shape, decides in this order:
+
+1. a ``kv_split`` forced by the caller;
+2. ``KVSPLIT_MODE``: ``off`` (K = 1) or a fixed K; ``auto`` (default) and
+   ``cached`` go on;
+3. the tuning database (``KVSPLIT_DB``), loaded whole for this device and
+   kernel build on first use;
+4. the tables shipped with the package for this device;
+5. ``auto``: profile the key now (never during CUDA-graph capture: then the
+   heuristic serves, nothing is cached and the key is recorded as pending);
+   ``cached``: the heuristic.
+
+Whatever the source, :func:`constrain` has the last word, so a tampered
+table can only cost speed.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from dataclasses import dataclass
 
 import torch
 
 from .constraints import KV_SPLITS, constrain
 from .device import DeviceFacts
+from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
+from . import pending as pending_keys
 
-__all__ = ["KV_SPLITS", "choose", "pdl_enabled"]
+__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher", "pdl_enabled"]
+
+log = logging.getLogger("kvsplit.dispatch")
+MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS)
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
+def _env_int(name: str, raw: str | None) -> int | None:
     if raw in (None, ""):
         return None
     try:
@@ -27,10 +52,173 @@ def pdl_enabled() -> bool:
     return os.environ.get("KVSPLIT_PDL", "0") == "1"
 
 
-def choose(facts: DeviceFacts, head_dim: int, partial_dtype: torch.dtype, out_dtype: torch.dtype,
-           stats_format: int, num_splits: int, rows: int, forced: int | None) -> int:
-    """K for one call: ``forced`` (or the largest K) halved until the constraints hold."""
-    return constrain(forced or KV_SPLITS[-1], head_dim=head_dim,
-                     elem_bytes=partial_dtype.itemsize, rows=rows, num_splits=num_splits,
-                     sm_count=facts.sm_count if facts.is_cuda else None,
-                     max_split=_env_int("KVSPLIT_MAX_SPLIT"))
+def heuristic(num_splits: int) -> int:
+    """K such that each group gets about one batch of 4 partials (before constraints)."""
+    target = max(1, num_splits // 4)
+    return max(k for k in KV_SPLITS if k <= target)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the slow path chose for one shape, and why."""
+
+    kv_split: int
+    source: str          # forced, mode, database, shipped, tuned, heuristic, capture
+    key: object = None   # the TuningKey, when one was looked up
+    record: object = None  # the TuningRecord, when tuned in this process
+
+
+class Dispatcher:
+    """Chooses kv_split per call; thread-safe; one per process (see :data:`dispatcher`)."""
+
+    def __init__(self) -> None:
+        self._fast: dict[tuple, int] = {}
+        self._decisions: dict[tuple, Decision] = {}
+        self._lock = threading.RLock()
+        self._key_locks: dict[object, threading.Lock] = {}
+        self._tables: dict[tuple, dict] = {}
+        self._store = None
+        self._store_url: str | None = None
+
+    # -- hot path ---------------------------------------------------------------------------
+    def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
+               partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
+               num_splits: int, rows: int, forced: int | None) -> int:
+        environ = os.environ
+        fast_key = (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows,
+                    forced, environ.get("KVSPLIT_MODE"), environ.get("KVSPLIT_MAX_SPLIT"),
+                    environ.get("KVSPLIT_DB"))
+        k = self._fast.get(fast_key)
+        if k is None:
+            k = self._slow(fast_key, device).kv_split
+        return k
+
+    # -- slow path --------------------------------------------------------------------------
+    def explain(self, facts: DeviceFacts, head_dim: int, partial_dtype: torch.dtype,
+                out_dtype: torch.dtype, stats_format: int, num_splits: int, rows: int,
+                forced: int | None = None) -> Decision | None:
+        """The decision behind the cached choice for this shape, if it was made."""
+        environ = os.environ
+        return self._decisions.get((facts, head_dim, partial_dtype, out_dtype, stats_format,
+                                    num_splits, rows, forced, environ.get("KVSPLIT_MODE"),
+                                    environ.get("KVSPLIT_MAX_SPLIT"), environ.get("KVSPLIT_DB")))
+
+    def _slow(self, fast_key: tuple, device: torch.device) -> Decision:
+        (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows, forced,
+         mode, max_split_raw, db_url) = fast_key
+        mode = mode or "auto"
+        if mode not in MODES:
+            raise ValueError(f"KVSPLIT_MODE must be one of {', '.join(MODES)}; got {mode!r}")
+        max_split = _env_int("KVSPLIT_MAX_SPLIT", max_split_raw)
+
+        def constrained(k: int) -> int:
+            return constrain(k, head_dim=head_dim, elem_bytes=partial_dtype.itemsize, rows=rows,
+                             num_splits=num_splits, sm_count=facts.sm_count if facts.is_cuda else None,
+                             max_split=max_split)
+
+        capturing = facts.is_cuda and torch.cuda.is_current_stream_capturing()
+        if forced:
+            decision = Decision(constrained(forced), "forced")
+        elif mode == "off":
+            decision = Decision(1, "mode")
+        elif mode != "auto" and mode != "cached":
+            decision = Decision(constrained(int(mode)), "mode")
+        else:
+            decision = self._lookup(facts, device, head_dim, partial_dtype, out_dtype,
+                                    stats_format, num_splits, rows, mode, max_split, db_url,
+                                    capturing, constrained)
+        if decision.source != "capture":
+            with self._lock:
+                self._fast[fast_key] = decision.kv_split
+                self._decisions[fast_key] = decision
+        return decision
+
+    def _lookup(self, facts, device, head_dim, partial_dtype, out_dtype, stats_format,
+                num_splits, rows, mode, max_split, db_url, capturing, constrained) -> Decision:
+        from .. import _native
+
+        key = tuning_key(facts, _native.ext().build_hash, head_dim, dtype_name(partial_dtype),
+                         dtype_name(out_dtype), STATS_FORMATS[stats_format], num_splits, rows)
+        stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
+        if stored is not None and stored.kv_split is not None:
+            return Decision(constrained(stored.kv_split), "database", key)
+        shipped = _shipped_table(facts).get(key.choice_key)
+        if shipped is not None and shipped.kv_split is not None:
+            return Decision(constrained(shipped.kv_split), "shipped", key)
+        if mode == "cached":
+            return Decision(constrained(heuristic(num_splits)), "heuristic", key)
+        if capturing:
+            pending_keys.add(key)
+            return Decision(constrained(heuristic(num_splits)), "capture", key)
+        return self._tune(facts, device, key, max_split, db_url, constrained)
+
+    def _tune(self, facts, device, key, max_split, db_url, constrained) -> Decision:
+        from ..autotune.tuner import tune
+
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:  # concurrent callers of one key profile it once
+            table = self._table(facts, key.build_hash, db_url)
+            stored = table.get(key.choice_key)
+            if stored is not None:
+                return Decision(constrained(stored.kv_split), "database", key)
+            record = tune(key, device, max_split=max_split)
+            table[key.choice_key] = record.winner
+            self._open_store(db_url).upsert(record)
+            pending_keys.discard(key)
+            log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
+            return Decision(constrained(record.winner.kv_split), "tuned", key, record)
+
+    def _open_store(self, db_url: str | None):
+        from ..db import open_store_for_library
+
+        with self._lock:
+            if self._store is None or self._store_url != db_url:
+                self._store = open_store_for_library(db_url)
+                self._store_url = db_url
+            return self._store
+
+    def _table(self, facts: DeviceFacts, build_hash: str, db_url: str | None) -> dict:
+        with self._lock:
+            table = self._tables.get((facts, build_hash, db_url))
+            if table is None:
+                table = self._open_store(db_url).load_choices(device_info(facts), build_hash)
+                self._tables[(facts, build_hash, db_url)] = table
+            return table
+
+    def forget(self) -> None:
+        """Drop every cached choice and table (they are re-read on the next call)."""
+        with self._lock:
+            self._fast.clear()
+            self._decisions.clear()
+            self._tables.clear()
+            if self._store is not None:
+                self._store.close()
+            self._store = None
+
+
+_SHIPPED: dict[DeviceFacts, dict] = {}
+
+
+def _shipped_table(facts: DeviceFacts) -> dict:
+    """Winners shipped in kvsplit/tables/*.json for this device (any kernel build)."""
+    table = _SHIPPED.get(facts)
+    if table is None:
+        from importlib import resources
+
+        from ..db import read_export
+
+        table = {}
+        info = device_info(facts)
+        folder = resources.files("kvsplit").joinpath("tables")
+        for entry in folder.iterdir() if folder.is_dir() else ():
+            if entry.name.endswith(".json"):
+                for record in read_export(entry.read_text()):
+                    if record.key.device == info:
+                        table[record.key.choice_key] = record.winner
+        _SHIPPED[facts] = table
+    return table
+
+
+dispatcher = Dispatcher()
+choose = dispatcher.choose

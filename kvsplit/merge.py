@@ -116,8 +116,8 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent + 1) * tensor.element_size()
 
 
-def _check_memory(partial_o, stats, sinks, split_counts, out, out_stats) -> None:
-    """Checks alignment and aliasing, which need real addresses (not fake tensors)."""
+def _check_alignment(partial_o, stats, out) -> None:
+    """Checks alignment, which needs real addresses (not fake tensors)."""
     elem = partial_o.element_size()
     if partial_o.data_ptr() % 16:
         raise ValueError("partial_o must be 16-byte aligned")
@@ -129,6 +129,14 @@ def _check_memory(partial_o, stats, sinks, split_counts, out, out_stats) -> None
     store_bytes = 16 // elem * out.element_size()
     if out.data_ptr() % store_bytes or (out.shape[0] > 1 and (out.stride(0) * out.element_size()) % store_bytes):
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
+    if stats.dim() == 3 and (stats.data_ptr() % 8 or any(
+            stats.shape[d] > 1 and stats.stride(d) % 2 for d in (0, 1))):
+        raise ValueError("partial_stats: each (max, sum) pair must be 8-byte aligned "
+                         "(even strides, aligned start)")
+
+
+def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> None:
+    """Raises if an output overlaps an input (or the other output)."""
     inputs = {"partial_o": partial_o, "partial stats": stats, "sinks": sinks,
               "split_counts": split_counts}
     written = {"out": out, "out_stats": out_stats}
@@ -146,14 +154,16 @@ def _check_memory(partial_o, stats, sinks, split_counts, out, out_stats) -> None
 
 
 def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_stats,
-            log2_scale: float, export_scale: float, kv_split: int) -> None:
-    _check_memory(partial_o, stats, sinks, split_counts, out, out_stats)
+            log2_scale: float, export_scale: float, kv_split: int, fresh_out: bool = False) -> None:
+    _check_alignment(partial_o, stats, out)
+    if not fresh_out:  # outputs allocated by the wrapper cannot alias anything
+        _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats)
     num_splits, rows, head_dim = partial_o.shape
     if rows == 0:
         return
     facts = device_facts(partial_o.device)
-    k = dispatcher.choose(facts, head_dim, partial_o.dtype, out.dtype, stats_format,
-                          num_splits, rows, kv_split or None)
+    k = dispatcher.choose(facts, partial_o.device, head_dim, partial_o.dtype, out.dtype,
+                          stats_format, num_splits, rows, kv_split or None)
     args = (
         partial_o.data_ptr(), stats.data_ptr(),
         split_counts.data_ptr() if split_counts is not None else 0,
@@ -167,7 +177,7 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
     if facts.is_cuda:
         if not _native.has_cuda_kernels():
             raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
-        stream = torch.cuda.current_stream(partial_o.device).cuda_stream
+        stream = torch._C._cuda_getCurrentRawStream(partial_o.get_device())
         _native.ext().merge_cuda(*args, facts.sm_count, dispatcher.pdl_enabled(), stream)
     else:
         _native.ext().merge_cpu(*args)
@@ -175,25 +185,38 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
 
 def _merge_maxsum_impl(partial_o: torch.Tensor, partial_stats: torch.Tensor, scale_log2: float,
                        sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
-                       out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int) -> None:
+                       out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int,
+                       fresh_out: bool = False) -> None:
     """Writes the merge into ``out`` (and ``out_stats``); ``kv_split`` 0 lets the dispatcher choose."""
     _launch(MAXSUM, partial_o, partial_stats, sinks, split_counts, out, out_stats,
-            scale_log2, _LN2, kv_split)
+            scale_log2, _LN2, kv_split, fresh_out)
 
 
 def _merge_lse_impl(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: float,
                     sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
-                    out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int) -> None:
+                    out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int,
+                    fresh_out: bool = False) -> None:
     """Writes the merge into ``out`` (and ``out_lse``); ``kv_split`` 0 lets the dispatcher choose."""
     to_log2 = 1.0 if base == 2.0 else _LOG2E
     _launch(LSE, partial_o, partial_lse, sinks, split_counts, out, out_lse,
-            to_log2, 1.0 if base == 2.0 else _LN2, kv_split)
+            to_log2, 1.0 if base == 2.0 else _LN2, kv_split, fresh_out)
 
 
-merge_maxsum_out = torch.library.custom_op(
-    "kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))(_merge_maxsum_impl)
-merge_lse_out = torch.library.custom_op(
-    "kvsplit::merge_lse_out", mutates_args=("out", "out_lse"))(_merge_lse_impl)
+@torch.library.custom_op("kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))
+def merge_maxsum_out(partial_o: torch.Tensor, partial_stats: torch.Tensor, scale_log2: float,
+                     sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
+                     out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int) -> None:
+    """Custom op behind :func:`merge_maxsum` (writes into ``out``; ``kv_split`` 0 = choose)."""
+    _merge_maxsum_impl(partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_stats,
+                       kv_split)
+
+
+@torch.library.custom_op("kvsplit::merge_lse_out", mutates_args=("out", "out_lse"))
+def merge_lse_out(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: float,
+                  sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
+                  out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int) -> None:
+    """Custom op behind :func:`merge_lse` (writes into ``out``; ``kv_split`` 0 = choose)."""
+    _merge_lse_impl(partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split)
 
 
 @merge_maxsum_out.register_fake
@@ -206,12 +229,12 @@ def _(partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split)
     return None
 
 
-def _call(op, impl, *args) -> None:
+def _call(op, impl, fresh_out: bool, *args) -> None:
     # Eager calls skip the op dispatcher's overhead; traced calls need the op.
     if torch.compiler.is_compiling():
         op(*args)
     else:
-        impl(*args)
+        impl(*args, fresh_out=fresh_out)
 
 
 def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_counts=None,
@@ -253,10 +276,11 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
         raise ValueError(f"scale_log2 must be positive and finite, got {scale_log2}")
     _, rows, head_dim, out_dtype = _validate_common(
         partial_o, ("partial_stats", partial_stats), (2,), sinks, split_counts, out, kv_split)
-    if out is None:
+    fresh_out = out is None
+    if fresh_out:
         out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
     out_stats = partial_o.new_empty((rows, 2), dtype=torch.float32) if return_stats else None
-    _call(merge_maxsum_out, _merge_maxsum_impl, partial_o, partial_stats,
+    _call(merge_maxsum_out, _merge_maxsum_impl, fresh_out, partial_o, partial_stats,
           float(scale_log2), sinks, split_counts, out, out_stats, kv_split or 0)
     return (out, out_stats) if return_stats else out
 
@@ -292,9 +316,10 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
         raise ValueError(f"base must be 2.0 or math.e, got {base}")
     _, rows, head_dim, out_dtype = _validate_common(
         partial_o, ("partial_lse", partial_lse), (), sinks, split_counts, out, kv_split)
-    if out is None:
+    fresh_out = out is None
+    if fresh_out:
         out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
     out_lse = partial_o.new_empty((rows,), dtype=torch.float32) if return_lse else None
-    _call(merge_lse_out, _merge_lse_impl, partial_o, partial_lse, float(base),
+    _call(merge_lse_out, _merge_lse_impl, fresh_out, partial_o, partial_lse, float(base),
           sinks, split_counts, out, out_lse, kv_split or 0)
     return (out, out_lse) if return_lse else out

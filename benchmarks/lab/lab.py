@@ -19,17 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvsplit.autotune.timing import time_cuda_graph
+from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
 from kvsplit.dispatch.constraints import valid_kv_splits
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARIANTS = {
-    "A packed": "-DKVSPLIT_PREFETCH=0 -DKVSPLIT_MIN_CTAS=2",
-    "B prefetch,64reg": "-DKVSPLIT_PREFETCH=1 -DKVSPLIT_MIN_CTAS=2",
-    "C prefetch,free": "-DKVSPLIT_PREFETCH=1 -DKVSPLIT_MIN_CTAS=1",
-    "D packed,<<<>>>": "-DKVSPLIT_PREFETCH=0 -DKVSPLIT_MIN_CTAS=2 -DKVSPLIT_LAUNCH_EX=0",
-    "E unroll8,free": "-DKVSPLIT_PREFETCH=0 -DKVSPLIT_MIN_CTAS=1 -DKVSPLIT_LOAD_UNROLL=8",
-    "F prefetch,free,<<<>>>": "-DKVSPLIT_PREFETCH=1 -DKVSPLIT_MIN_CTAS=1 -DKVSPLIT_LAUNCH_EX=0",
+    "product": "",
+    "unroll8,128reg": "-DKVSPLIT_MIN_CTAS=1 -DKVSPLIT_LOAD_UNROLL=8",
 }
 SHAPES = [(512, 64, 16), (512, 64, 132), (512, 64, 264), (128, 32, 16), (128, 32, 264),
           (128, 256, 132), (512, 512, 132), (512, 2048, 132), (128, 2048, 64)]
@@ -62,6 +58,7 @@ def main() -> int:
     with ThreadPoolExecutor(len(VARIANTS)) as pool:
         libs = dict(zip(VARIANTS, pool.map(lambda kv: build(kv[0], kv[1], folder), VARIANTS.items())))
     launchers = {name: ctypes.CDLL(str(path)).lab_launch for name, path in libs.items()}
+    spin_up_gpu()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator().manual_seed(0)
     lines = ["| D | rows | N | " + " | ".join(VARIANTS) + " |", "|---" * (3 + len(VARIANTS)) + "|"]

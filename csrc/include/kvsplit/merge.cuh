@@ -24,20 +24,16 @@ constexpr int kThreadsPerCta = 512;
 constexpr int kBytesPerThread = 16;
 constexpr int kCtasPerSm = 2;
 
-// Experiment knobs (benchmarks/lab compiles variants); the defaults are the product.
-#ifndef KVSPLIT_PREFETCH
-#define KVSPLIT_PREFETCH 1
+// Knobs for benchmarks/lab, which compiles variants side by side; the
+// defaults are the product (measured there: a one-batch register prefetch
+// was no faster at small shapes and, capped at 64 registers, spilled).
+#ifndef KVSPLIT_LOAD_UNROLL
+#define KVSPLIT_LOAD_UNROLL 4
 #endif
 #ifndef KVSPLIT_MIN_CTAS
 #define KVSPLIT_MIN_CTAS kCtasPerSm
 #endif
-#ifndef KVSPLIT_LOAD_UNROLL
-#define KVSPLIT_LOAD_UNROLL 4
-#endif
 constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
-#ifndef KVSPLIT_LAUNCH_EX
-#define KVSPLIT_LAUNCH_EX 1
-#endif
 
 template <DType kDType> struct CudaType;
 template <> struct CudaType<DType::kBFloat16> { using type = __nv_bfloat16; };
@@ -140,60 +136,40 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
       }
     }
     if (group < num_splits) {
-      // Walk partials group, group + K, ... with cursors; a batch of kLoadUnroll
-      // is in registers (packed) while the next batch is already in flight.
+      // Walk partials group, group + K, ... with cursors, kLoadUnroll at a
+      // time, keeping them packed (16-bit) in registers until the multiply.
       const int count = (num_splits - group + kKvSplit - 1) / kKvSplit;
       const Partial* o_cursor = static_cast<const Partial*>(p.partial_o) +
                                 group * p.o_stride_split + row * p.o_stride_row + col;
       const float* s_cursor = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
       const int64_t o_step = kKvSplit * p.o_stride_split;
       const int64_t s_step = kKvSplit * p.stats_stride_split;
-      const Partial* o_last = o_cursor + (count - 1) * o_step;
-      const float* s_last = s_cursor + (count - 1) * s_step;
 
-      uint4 packed[kLoadUnroll];
-      float2 stat[kLoadUnroll];
       // A slot past the end re-reads the group's last partial and gets weight
-      // 0 below, so loads stay unconditional and in bounds.
-      auto load_batch = [&](int j0, uint4 (&o_dst)[kLoadUnroll], float2 (&s_dst)[kLoadUnroll]) {
-#pragma unroll
-        for (int u = 0; u < kLoadUnroll; ++u) {
-          const bool live = j0 + u < count;
-          const Partial* o_ptr = live ? o_cursor + u * o_step : o_last;
-          const float* s_ptr = live ? s_cursor + u * s_step : s_last;
-          o_dst[u] = __ldg(reinterpret_cast<const uint4*>(o_ptr));
-          if constexpr (kFormat == StatsFormat::kMaxSum) {
-            s_dst[u] = __ldg(reinterpret_cast<const float2*>(s_ptr));
-          } else {
-            s_dst[u] = make_float2(__ldg(s_ptr), 1.f);
-          }
-        }
-        o_cursor += kLoadUnroll * o_step;
-        s_cursor += kLoadUnroll * s_step;
-      };
-      load_batch(0, packed, stat);
+      // 0, so the loads stay unconditional and in bounds. All loads of a batch
+      // are issued before the first use.
       for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
-        uint4 next_packed[kLoadUnroll];
-        float2 next_stat[kLoadUnroll];
-        if (KVSPLIT_PREFETCH && j0 + kLoadUnroll < count) {
-          load_batch(j0 + kLoadUnroll, next_packed, next_stat);
-        }
+        uint4 packed[kLoadUnroll];
         float m_in[kLoadUnroll], l_in[kLoadUnroll];
 #pragma unroll
         for (int u = 0; u < kLoadUnroll; ++u) {
-          m_in[u] = j0 + u < count ? stat[u].x * p.log2_scale : neg_inf();
-          l_in[u] = stat[u].y;
+          const bool live = j0 + u < count;
+          const int slot = live ? u : count - 1 - j0;
+          const Partial* o_ptr = o_cursor + slot * o_step;
+          const float* s_ptr = s_cursor + slot * s_step;
+          packed[u] = __ldg(reinterpret_cast<const uint4*>(o_ptr));
+          float2 stat;
+          if constexpr (kFormat == StatsFormat::kMaxSum) {
+            stat = __ldg(reinterpret_cast<const float2*>(s_ptr));
+          } else {
+            stat = make_float2(__ldg(s_ptr), 1.f);
+          }
+          m_in[u] = live ? stat.x * p.log2_scale : neg_inf();
+          l_in[u] = stat.y;
         }
         state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
-        if (!KVSPLIT_PREFETCH && j0 + kLoadUnroll < count) {
-          load_batch(j0 + kLoadUnroll, packed, stat);
-        } else {
-#pragma unroll
-          for (int u = 0; u < kLoadUnroll; ++u) {
-            packed[u] = next_packed[u];
-            stat[u] = next_stat[u];
-          }
-        }
+        o_cursor += kLoadUnroll * o_step;
+        s_cursor += kLoadUnroll * s_step;
       }
     }
     pdl_trigger();
@@ -231,7 +207,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
         }
       }
     }
-    if constexpr (kKvSplit > 1) __syncthreads();  // parked_* is reused next slice
+    // parked_* is reused by the next slice; most small calls have none.
+    if (kKvSplit > 1 && slice + gridDim.x < num_slices) __syncthreads();
   }
 }
 
@@ -245,14 +222,6 @@ cudaError_t launch_merge_config(const MergeParams& p, int sm_count, bool pdl, cu
     if (p.rows == 0) return cudaSuccess;
     const int64_t num_slices = (p.rows + kRowsPerSlice - 1) / kRowsPerSlice;
     const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
-#if !KVSPLIT_LAUNCH_EX
-    if (!pdl) {
-      merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>
-          <<<static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap), kThreadsPerCta, 0,
-             stream>>>(p, num_slices);
-      return cudaGetLastError();
-    }
-#endif
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap));
     config.blockDim = dim3(kThreadsPerCta);

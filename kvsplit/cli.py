@@ -6,6 +6,7 @@ import json
 
 import click
 
+from .autotune.cli import tune
 from .db.cli import db
 
 
@@ -16,6 +17,7 @@ def main() -> None:
 
 
 main.add_command(db)
+main.add_command(tune)
 
 
 @main.command()

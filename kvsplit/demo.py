@@ -9,6 +9,7 @@ output with exact attention.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -40,9 +41,32 @@ def run(device: str | None, seed: int) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed_ms = (time.perf_counter() - begin) * 1e3
+    _report(partial_o, rows, elapsed_ms)
     error = ((out.double().cpu() - exact).norm() / exact.norm()).item()
-    print(f"merged in {elapsed_ms:.2f} ms (first call, wall clock); "
-          f"relative error vs exact attention: {error:.2e}")
+    print(f"relative error vs exact attention: {error:.2e}")
     ok = error < 1e-2
     print("OK" if ok else "FAILED: error above 1e-2")
     return 0 if ok else 1
+
+
+def _report(partial_o: torch.Tensor, rows: int, elapsed_ms: float) -> None:
+    from .db import resolve_url
+    from .db.engine import display_url
+    from .dispatch.device import device_facts
+    from .dispatch.dispatcher import dispatcher
+
+    decision = dispatcher.explain(device_facts(partial_o.device), HEAD_DIM, partial_o.dtype,
+                                  partial_o.dtype, 0, NUM_SPLITS, rows)
+    where = display_url(resolve_url(os.environ.get("KVSPLIT_DB")))
+    print(f"chosen kv_split = {decision.kv_split} ({decision.source}); first call took "
+          f"{elapsed_ms:.1f} ms wall clock")
+    if decision.record is not None:
+        print(f"profiled every valid K at the key's shape {decision.key.choice_key}:")
+        for c in decision.record.candidates:
+            mark = "  <- winner" if c.config == decision.record.winner else ""
+            print(f"  K={c.config.kv_split:<2}  median {c.median_us:9.2f} us  "
+                  f"(p10 {c.p10_us:.2f}, p90 {c.p90_us:.2f}, {c.samples} samples, "
+                  f"{'matches K=1' if c.matched else 'MISMATCH'}){mark}")
+        print(f"stored in {where}")
+    elif decision.source == "database":
+        print(f"reused the stored choice from {where}: no profiling in this run")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
-#   usage: benchmarks/gpu_check.sh [STAGE ...]   stages: build tests all-tests bench tune
+#   usage: benchmarks/gpu_check.sh [STAGE ...]
+#   stages: build tests all-tests bench tune, or NAME for benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
+#   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvsplit-out}
@@ -16,6 +18,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/kv:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export KVSPLIT_DB=${KVSPLIT_DB:-sqlite:////tmp/kvsplit-tune.sqlite}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   > "$OUT/nvidia-smi.txt" 2>&1
 
@@ -34,6 +37,15 @@ for stage in "${stages[@]}"; do
     all-tests)
       python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests_all.log" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    tune)
+      # The benchmark grid, both stats formats and 16-bit dtypes; exported for the package.
+      python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
+        --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee "$OUT/tune.log" | tail -15
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      python3 -P -m kvsplit db export --out "$OUT/tuned-h200.json"
+      python3 -P -m kvsplit db stats 2>&1 | tee "$OUT/db_stats.log"
+      python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 2>&1 > "$OUT/db_list.log"
+      python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2 ;;
     bench)
       python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -1,0 +1,131 @@
+"""Dispatcher benchmarks: regret on unseen shapes, first-use tuning time, host overhead.
+
+Run on a GPU machine after `kvsplit tune` filled KVSPLIT_DB with the
+benchmark grid:  python -P benchmarks/bench_dispatch.py [--out DIR]
+
+Regret: for shapes the tuning run did not see, the time of the K that
+`kv_split=None` picks (mode auto: a stored choice for the shape's bucket, or
+profiling at first use) over the best K measured in the same run.
+Host overhead: microseconds per call (no sync) of merge_maxsum(kv_split=None)
+after the first call, of a forced-K call, and of the raw binding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import torch
+
+import kvsplit
+from kvsplit import _native, merge
+from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
+from kvsplit.dispatch.constraints import valid_kv_splits
+from kvsplit.dispatch.device import device_facts
+from kvsplit.dispatch.dispatcher import dispatcher
+
+UNSEEN = [(d, r, n) for d in (512, 128) for r in (40, 100, 300, 1000) for n in (20, 48, 100, 200)]
+
+
+def make(num_splits, rows, head_dim, g):
+    m = torch.randn(num_splits, rows, generator=g) * 2
+    l = 1 + 64 * torch.rand(num_splits, rows, generator=g)
+    o = torch.randn(num_splits, rows, head_dim, generator=g) * l.unsqueeze(-1)
+    return o.cuda().bfloat16(), torch.stack([m, l], -1).cuda()
+
+
+def regret(g, sm_count):
+    rows_out = []
+    facts = device_facts(torch.device("cuda", 0))
+    for head_dim, rows, num_splits in UNSEEN:
+        o, stats = make(num_splits, rows, head_dim, g)
+        out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
+        times = {k: time_cuda_graph(lambda i, k=k: kvsplit.merge_maxsum(o, stats, 0.1, out=out,
+                                                                          kv_split=k)).median_us
+                 for k in valid_kv_splits(head_dim=head_dim, elem_bytes=2, rows=rows,
+                                          num_splits=num_splits, sm_count=sm_count)}
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        kvsplit.merge_maxsum(o, stats, 0.1, out=out)
+        torch.cuda.synchronize()
+        first_ms = (time.perf_counter() - begin) * 1e3
+        decision = dispatcher.explain(facts, head_dim, torch.bfloat16, torch.bfloat16, 0,
+                                      num_splits, rows)
+        best = min(times, key=times.get)
+        rows_out.append({"head_dim": head_dim, "rows": rows, "num_splits": num_splits,
+                         "best_k": best, "best_us": times[best], "auto_k": decision.kv_split,
+                         "auto_us": times[decision.kv_split], "source": decision.source,
+                         "first_call_ms": first_ms,
+                         "regret": times[decision.kv_split] / times[best] - 1})
+        r = rows_out[-1]
+        print(f"  D={head_dim} rows={rows} N={num_splits}: best K={best} {times[best]:.2f} us, "
+              f"auto K={r['auto_k']} ({r['source']}, first call {first_ms:.1f} ms) "
+              f"regret {100 * r['regret']:.1f}%", flush=True)
+    return rows_out
+
+
+def host_overhead(g, calls=20000):
+    o, stats = make(16, 64, 512, g)
+    out = torch.empty(64, 512, dtype=torch.bfloat16, device="cuda")
+    ext = _native.ext()
+    facts = device_facts(o.device)
+    k = dispatcher.choose(facts, o.device, 512, o.dtype, out.dtype, 0, 16, 64, None)
+    args = (o.data_ptr(), stats.data_ptr(), 0, 0, out.data_ptr(), 0, 16, 64, 1, o.stride(0),
+            o.stride(1), stats.stride(0), stats.stride(1), out.stride(0), 0.1, math.log(2), 512,
+            0, 0, 0, k, facts.sm_count, False)
+    variants = {
+        "merge_maxsum(kv_split=None)": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out),
+        f"merge_maxsum(kv_split={k})": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out,
+                                                                     kv_split=k),
+        "dispatcher.choose only": lambda: dispatcher.choose(facts, o.device, 512, o.dtype,
+                                                            out.dtype, 0, 16, 64, None),
+        "raw binding": lambda: ext.merge_cuda(*args, torch.cuda.current_stream().cuda_stream),
+    }
+    result = {}
+    for name, fn in variants.items():
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            begin = time.perf_counter()
+            for _ in range(calls // 5):
+                fn()
+            samples.append((time.perf_counter() - begin) * 1e6 / (calls // 5))
+            torch.cuda.synchronize()
+        result[name] = sorted(samples)[2]
+        print(f"  {name:32s} {result[name]:6.2f} us per call", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    spin_up_gpu()
+    g = torch.Generator().manual_seed(7)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    print("regret on shapes the tuning grid did not see (mode auto):", flush=True)
+    rows = regret(g, sm_count)
+    regrets = [max(r["regret"], 0.0) for r in rows]
+    geomean = math.exp(sum(math.log1p(x) for x in regrets) / len(regrets)) - 1
+    tuned = [r["first_call_ms"] for r in rows if r["source"] == "tuned"]
+    print(f"geomean regret {100 * geomean:.2f}%, worst {100 * max(regrets):.2f}%; "
+          f"first-use tuning {len(tuned)} keys, median "
+          f"{sorted(tuned)[len(tuned) // 2] if tuned else float('nan'):.1f} ms, "
+          f"max {max(tuned) if tuned else float('nan'):.1f} ms")
+    print("host overhead per call (no sync, D=512 rows=64 N=16):", flush=True)
+    overhead = host_overhead(g)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_dispatch.json").write_text(json.dumps(
+            {"regret": rows, "geomean_regret": geomean, "host_overhead_us": overhead}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

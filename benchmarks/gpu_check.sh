@@ -19,8 +19,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/kv:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export KVSPLIT_DB=${KVSPLIT_DB:-sqlite:////tmp/kvsplit-tune.sqlite}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
-  > "$OUT/nvidia-smi.txt" 2>&1
+# Few files come back from $OUT (8 at most): logs go to one run.log.
+LOG="$OUT/run.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$LOG" 2>&1
 
 status=0
 for stage in "${stages[@]}"; do
@@ -28,30 +29,31 @@ for stage in "${stages[@]}"; do
   case $stage in
     build)
       python3 -m pip install -v --no-build-isolation --no-deps --target /tmp/kv . \
-        > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-      grep -E "warning|spill" "$OUT/build.log" | sort | uniq -c | head -20
+        > /tmp/kvsplit-build.log 2>&1 || { tail -40 /tmp/kvsplit-build.log | tee -a "$LOG"; exit 1; }
+      grep -E "warning|spill" /tmp/kvsplit-build.log | sort | uniq -c | head -20 | tee -a "$LOG"
       python3 -P -c "import kvsplit._ext as e; print('built', e.build_hash, e.cuda_architectures)" ;;
     tests)
-      python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.log" | tail -25
+      python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     all-tests)
-      python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests_all.log" | tail -25
+      python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tune)
       # The benchmark grid, both stats formats and 16-bit dtypes; exported for the package.
       python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
-        --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee "$OUT/tune.log" | tail -15
+        --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee -a "$LOG" | tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 -P -m kvsplit db export --out "$OUT/tuned-h200.json"
-      python3 -P -m kvsplit db stats 2>&1 | tee "$OUT/db_stats.log"
-      python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 2>&1 > "$OUT/db_list.log"
+      python3 -P -m kvsplit db stats 2>&1 | tee -a "$LOG"
+      python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 --stats-format maxsum >> "$LOG" 2>&1
       python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2 ;;
     bench)
-      python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -45
+      python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *)
-      if [ -f "benchmarks/$stage.py" ]; then
-        python3 -P "benchmarks/$stage.py" --out "$OUT" 2>&1 | tee "$OUT/$stage.log" | tail -40
+      script=$(ls "benchmarks/$stage.py" "benchmarks/$stage/$stage.py" 2>/dev/null | head -1)
+      if [ -n "$script" ]; then
+        python3 -P "$script" --out "$OUT" 2>&1 | tee -a "$LOG" | tail -40
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       else
         echo "unknown stage $stage"; status=1

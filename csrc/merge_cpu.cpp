@@ -74,15 +74,15 @@ void merge_rows(const MergeParams& p, StatsFormat format, int kv_split, int64_t 
       state.combine(groups[group].m, groups[group].l, groups[group].acc, 1);
     }
     const float sink_log2 = p.sinks != nullptr ? p.sinks[row % p.heads] * kLog2E : neg_inf();
-    float out[kHeadDim];
-    const float total = state.finalize(sink_log2, out);
+    float out[kHeadDim], log2_total;
+    const float total = state.finalize(sink_log2, out, log2_total);
     for (int d = 0; d < kHeadDim; ++d) store_elem<kOut>(p.out, row * p.out_stride_row + d, out[d]);
     if (p.out_stats != nullptr) {
       if (format == StatsFormat::kMaxSum) {
         p.out_stats[2 * row] = state.m * p.export_scale;
         p.out_stats[2 * row + 1] = total;
       } else {
-        p.out_stats[row] = (state.m + std::log2(total)) * p.export_scale;
+        p.out_stats[row] = log2_total * p.export_scale;
       }
     }
   }

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DeviceFacts:
     """Identity of a device as it appears in tuning keys.
 
     ``sm_count`` is the multiprocessor count of a GPU; for the CPU it is the
-    number of logical cores and ``cc`` is (0, 0).
+    number of logical cores and ``cc`` is (0, 0). One instance per device
+    (:func:`device_facts` caches them), compared and hashed by identity so
+    that the dispatcher's per-call lookup stays cheap.
     """
 
     name: str

@@ -25,6 +25,7 @@ _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _require_tensor(name: str, value: object) -> torch.Tensor:
@@ -129,15 +130,12 @@ def _check_alignment(partial_o, stats, out) -> None:
     store_bytes = 16 // elem * out.element_size()
     if out.data_ptr() % store_bytes or (out.shape[0] > 1 and (out.stride(0) * out.element_size()) % store_bytes):
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
-    if stats.dim() == 3 and (stats.data_ptr() % 8 or any(
-            stats.shape[d] > 1 and stats.stride(d) % 2 for d in (0, 1))):
-        raise ValueError("partial_stats: each (max, sum) pair must be 8-byte aligned "
-                         "(even strides, aligned start)")
 
 
 def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> None:
     """Raises if an output overlaps an input (or the other output)."""
-    inputs = {"partial_o": partial_o, "partial stats": stats, "sinks": sinks,
+    stats_name = "partial_stats" if stats.dim() == 3 else "partial_lse"
+    inputs = {"partial_o": partial_o, stats_name: stats, "sinks": sinks,
               "split_counts": split_counts}
     written = {"out": out, "out_stats": out_stats}
     for out_name, target in written.items():
@@ -272,8 +270,8 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     """
     if isinstance(scale_log2, bool) or not isinstance(scale_log2, numbers.Real):
         raise TypeError(f"scale_log2 must be a real number, got {type(scale_log2).__name__}")
-    if not (math.isfinite(scale_log2) and scale_log2 > 0):
-        raise ValueError(f"scale_log2 must be positive and finite, got {scale_log2}")
+    if not (math.isfinite(scale_log2) and 0 < scale_log2 <= _FLOAT32_MAX):
+        raise ValueError(f"scale_log2 must be positive and finite in float32, got {scale_log2}")
     _, rows, head_dim, out_dtype = _validate_common(
         partial_o, ("partial_stats", partial_stats), (2,), sinks, split_counts, out, kv_split)
     fresh_out = out is None

@@ -25,6 +25,10 @@ from kvsplit.dispatch.constraints import valid_kv_splits
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARIANTS = {
     "product": "",
+    "select-clamp": "-DKVSPLIT_CLAMP_SELECT=1",
+    "select,scalar-stats": "-DKVSPLIT_CLAMP_SELECT=1 -DKVSPLIT_STATS_PAIR_LOAD=0",
+    "scalar-stats": "-DKVSPLIT_STATS_PAIR_LOAD=0",
+    "select,128reg": "-DKVSPLIT_CLAMP_SELECT=1 -DKVSPLIT_MIN_CTAS=1",
     "unroll8,128reg": "-DKVSPLIT_MIN_CTAS=1 -DKVSPLIT_LOAD_UNROLL=8",
 }
 SHAPES = [(512, 64, 16), (512, 64, 132), (512, 64, 264), (128, 32, 16), (128, 32, 264),
@@ -41,7 +45,7 @@ class Params(ctypes.Structure):
 
 
 def build(name: str, flags: str, folder: pathlib.Path) -> pathlib.Path:
-    target = folder / (name.split()[0] + ".so")
+    target = folder / (name.replace(",", "_") + ".so")
     cmd = (f"nvcc -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo "
            f"-gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -shared "
            f"-I{ROOT / 'csrc/include'} {flags} -o {target} {ROOT / 'benchmarks/lab/lab_kernel.cu'}")

@@ -30,6 +30,12 @@ constexpr int kCtasPerSm = 2;
 #ifndef KVSPLIT_LOAD_UNROLL
 #define KVSPLIT_LOAD_UNROLL 4
 #endif
+#ifndef KVSPLIT_CLAMP_SELECT
+#define KVSPLIT_CLAMP_SELECT 0
+#endif
+#ifndef KVSPLIT_STATS_PAIR_LOAD
+#define KVSPLIT_STATS_PAIR_LOAD 1
+#endif
 #ifndef KVSPLIT_MIN_CTAS
 #define KVSPLIT_MIN_CTAS kCtasPerSm
 #endif
@@ -144,6 +150,14 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
       const float* s_cursor = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
       const int64_t o_step = kKvSplit * p.o_stride_split;
       const int64_t s_step = kKvSplit * p.stats_stride_split;
+      const Partial* o_last = o_cursor + (count - 1) * o_step;
+      const float* s_last = s_cursor + (count - 1) * s_step;
+      // (max, sum) pairs go in one 8-byte load when every pair is aligned;
+      // the stats may have any strides, so this is checked, not assumed.
+      const bool paired_stats =
+          KVSPLIT_STATS_PAIR_LOAD && kFormat == StatsFormat::kMaxSum &&
+          ((reinterpret_cast<uintptr_t>(p.stats) | (p.stats_stride_split * 4) |
+            (p.stats_stride_row * 4)) % 8) == 0;
 
       // A slot past the end re-reads the group's last partial and gets weight
       // 0, so the loads stay unconditional and in bounds. All loads of a batch
@@ -154,13 +168,22 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 #pragma unroll
         for (int u = 0; u < kLoadUnroll; ++u) {
           const bool live = j0 + u < count;
-          const int slot = live ? u : count - 1 - j0;
-          const Partial* o_ptr = o_cursor + slot * o_step;
-          const float* s_ptr = s_cursor + slot * s_step;
+          const Partial* o_ptr;
+          const float* s_ptr;
+          if (KVSPLIT_CLAMP_SELECT) {
+            o_ptr = live ? o_cursor + u * o_step : o_last;
+            s_ptr = live ? s_cursor + u * s_step : s_last;
+          } else {
+            const int slot = live ? u : count - 1 - j0;
+            o_ptr = o_cursor + slot * o_step;
+            s_ptr = s_cursor + slot * s_step;
+          }
           packed[u] = __ldg(reinterpret_cast<const uint4*>(o_ptr));
           float2 stat;
-          if constexpr (kFormat == StatsFormat::kMaxSum) {
+          if (paired_stats) {
             stat = __ldg(reinterpret_cast<const float2*>(s_ptr));
+          } else if constexpr (kFormat == StatsFormat::kMaxSum) {
+            stat = make_float2(__ldg(s_ptr), __ldg(s_ptr + 1));
           } else {
             stat = make_float2(__ldg(s_ptr), 1.f);
           }
@@ -195,15 +218,15 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     if (group == 0 && active) {
       const float sink_log2 =
           p.sinks != nullptr ? __ldg(p.sinks + row % p.heads) * kLog2E : neg_inf();
-      float out[kVec];
-      const float total = state.finalize(sink_log2, out);
+      float out[kVec], log2_total;
+      const float total = state.finalize(sink_log2, out, log2_total);
       store_vec<kVec, kOut>(p.out, row * p.out_stride_row + col, out);
       if (p.out_stats != nullptr && col == 0) {
         if constexpr (kFormat == StatsFormat::kMaxSum) {
           p.out_stats[2 * row] = state.m * p.export_scale;
           p.out_stats[2 * row + 1] = total;
         } else {
-          p.out_stats[row] = (state.m + log2f(total)) * p.export_scale;
+          p.out_stats[row] = log2_total * p.export_scale;
         }
       }
     }

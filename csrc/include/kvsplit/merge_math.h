@@ -95,21 +95,32 @@ struct MergeState {
     m = m_new;
   }
 
-  // Normalises the state into `out` and returns the row's total denominator
-  // (sink included). `sink_log2` is the sink logit in base 2 (-inf: none).
-  // An empty row writes zeros and returns 0; its sink is ignored because a
-  // sink has zero output and nothing else would be normalised by it.
-  KVSPLIT_HD float finalize(float sink_log2, float (&out)[kVec]) const {
+  // Normalises the state into `out`. Returns the row's denominator relative
+  // to 2^m, sink included (the maxsum layout's L: it may overflow to inf
+  // when a sink dwarfs every split), and sets `log2_total` to log2 of the
+  // absolute denominator, which stays finite because it is taken relative to
+  // max(m, sink). `sink_log2` is the sink logit in base 2 (-inf: none).
+  // An empty row writes zeros, returns 0 and sets -inf; its sink is ignored
+  // because a sink has zero output and nothing else would be normalised by it.
+  KVSPLIT_HD float finalize(float sink_log2, float (&out)[kVec], float& log2_total) const {
     if (m == neg_inf()) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) out[v] = 0.f;
+      log2_total = neg_inf();
       return 0.f;
     }
-    const float total = l + rescale_weight(sink_log2, m);
-    const float inv = 1.f / total;
+    const float top = max_keep_nan(m, sink_log2);
+    const float own = fast_exp2(m - top);  // 1 unless the sink dominates
+    const float total_top = l * own + rescale_weight(sink_log2, top);
+    const float scale = own / total_top;
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) out[v] = acc[v] * inv;
-    return total;
+    for (int v = 0; v < kVec; ++v) out[v] = acc[v] * scale;
+#if defined(__CUDA_ARCH__)
+    log2_total = top + log2f(total_top);
+#else
+    log2_total = top + std::log2(total_top);
+#endif
+    return l + rescale_weight(sink_log2, m);
   }
 };
 

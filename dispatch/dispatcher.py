@@ -47,6 +47,29 @@ def _env_int(name: str, raw: str | None) -> int | None:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _environment_reader():
+    """A fast reader of the three variables that key the per-call cache.
+
+    ``os.environ.get`` raises and catches a KeyError for every unset variable
+    (about a microsecond each); CPython's POSIX ``os.environ`` keeps a bytes
+    dict that answers the same question with a plain lookup, and stays in
+    sync with every assignment through ``os.environ``.
+    """
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        get = data.get
+        return lambda: (get(b"KVSPLIT_MODE"), get(b"KVSPLIT_MAX_SPLIT"), get(b"KVSPLIT_DB"))
+    get = os.environ.get
+    return lambda: (get("KVSPLIT_MODE"), get("KVSPLIT_MAX_SPLIT"), get("KVSPLIT_DB"))
+
+
+_read_environment = _environment_reader()
+
+
+def _text(raw) -> str | None:
+    return os.fsdecode(raw) if isinstance(raw, bytes) else raw
+
+
 def pdl_enabled() -> bool:
     """Whether launches use programmatic dependent launch (``KVSPLIT_PDL=1``)."""
     return os.environ.get("KVSPLIT_PDL", "0") == "1"
@@ -84,10 +107,8 @@ class Dispatcher:
     def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
                partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
                num_splits: int, rows: int, forced: int | None) -> int:
-        environ = os.environ
         fast_key = (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows,
-                    forced, environ.get("KVSPLIT_MODE"), environ.get("KVSPLIT_MAX_SPLIT"),
-                    environ.get("KVSPLIT_DB"))
+                    forced, _read_environment())
         k = self._fast.get(fast_key)
         if k is None:
             k = self._slow(fast_key, device).kv_split
@@ -98,14 +119,13 @@ class Dispatcher:
                 out_dtype: torch.dtype, stats_format: int, num_splits: int, rows: int,
                 forced: int | None = None) -> Decision | None:
         """The decision behind the cached choice for this shape, if it was made."""
-        environ = os.environ
         return self._decisions.get((facts, head_dim, partial_dtype, out_dtype, stats_format,
-                                    num_splits, rows, forced, environ.get("KVSPLIT_MODE"),
-                                    environ.get("KVSPLIT_MAX_SPLIT"), environ.get("KVSPLIT_DB")))
+                                    num_splits, rows, forced, _read_environment()))
 
     def _slow(self, fast_key: tuple, device: torch.device) -> Decision:
         (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows, forced,
-         mode, max_split_raw, db_url) = fast_key
+         environment) = fast_key
+        mode, max_split_raw, db_url = (_text(raw) for raw in environment)
         mode = mode or "auto"
         if mode not in MODES:
             raise ValueError(f"KVSPLIT_MODE must be one of {', '.join(MODES)}; got {mode!r}")

@@ -142,8 +142,11 @@ def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> No
         if target is None or target.numel() == 0:
             continue
         lo, hi = _byte_span(target)
+        storage = target.untyped_storage().data_ptr()
         for in_name, source in list(inputs.items()):
-            if source is None or source.numel() == 0 or source.device != target.device:
+            # Only views of one allocation can overlap: compare storages first.
+            if (source is None or source.numel() == 0
+                    or source.untyped_storage().data_ptr() != storage):
                 continue
             src_lo, src_hi = _byte_span(source)
             if lo < src_hi and src_lo < hi:

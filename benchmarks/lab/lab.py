@@ -25,10 +25,6 @@ from kvsplit.dispatch.constraints import valid_kv_splits
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARIANTS = {
     "product": "",
-    "select-clamp": "-DKVSPLIT_CLAMP_SELECT=1",
-    "select,scalar-stats": "-DKVSPLIT_CLAMP_SELECT=1 -DKVSPLIT_STATS_PAIR_LOAD=0",
-    "scalar-stats": "-DKVSPLIT_STATS_PAIR_LOAD=0",
-    "select,128reg": "-DKVSPLIT_CLAMP_SELECT=1 -DKVSPLIT_MIN_CTAS=1",
     "unroll8,128reg": "-DKVSPLIT_MIN_CTAS=1 -DKVSPLIT_LOAD_UNROLL=8",
 }
 SHAPES = [(512, 64, 16), (512, 64, 132), (512, 64, 264), (128, 32, 16), (128, 32, 264),

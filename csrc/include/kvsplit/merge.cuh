@@ -25,16 +25,13 @@ constexpr int kBytesPerThread = 16;
 constexpr int kCtasPerSm = 2;
 
 // Knobs for benchmarks/lab, which compiles variants side by side; the
-// defaults are the product (measured there: a one-batch register prefetch
-// was no faster at small shapes and, capped at 64 registers, spilled).
+// defaults are the product. Measured there on an H200 and dropped: a
+// one-batch register prefetch (no faster at small shapes; spilled under the
+// 64-register cap), one 8-byte load per (max, sum) pair (3-13 % slower at
+// K = 1 than two 4-byte loads), clamping padded slots by pointer select
+// (more registers, spills at K = 1).
 #ifndef KVSPLIT_LOAD_UNROLL
 #define KVSPLIT_LOAD_UNROLL 4
-#endif
-#ifndef KVSPLIT_CLAMP_SELECT
-#define KVSPLIT_CLAMP_SELECT 0
-#endif
-#ifndef KVSPLIT_STATS_PAIR_LOAD
-#define KVSPLIT_STATS_PAIR_LOAD 1
 #endif
 #ifndef KVSPLIT_MIN_CTAS
 #define KVSPLIT_MIN_CTAS kCtasPerSm
@@ -150,14 +147,6 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
       const float* s_cursor = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
       const int64_t o_step = kKvSplit * p.o_stride_split;
       const int64_t s_step = kKvSplit * p.stats_stride_split;
-      const Partial* o_last = o_cursor + (count - 1) * o_step;
-      const float* s_last = s_cursor + (count - 1) * s_step;
-      // (max, sum) pairs go in one 8-byte load when every pair is aligned;
-      // the stats may have any strides, so this is checked, not assumed.
-      const bool paired_stats =
-          KVSPLIT_STATS_PAIR_LOAD && kFormat == StatsFormat::kMaxSum &&
-          ((reinterpret_cast<uintptr_t>(p.stats) | (p.stats_stride_split * 4) |
-            (p.stats_stride_row * 4)) % 8) == 0;
 
       // A slot past the end re-reads the group's last partial and gets weight
       // 0, so the loads stay unconditional and in bounds. All loads of a batch
@@ -168,27 +157,13 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 #pragma unroll
         for (int u = 0; u < kLoadUnroll; ++u) {
           const bool live = j0 + u < count;
-          const Partial* o_ptr;
-          const float* s_ptr;
-          if (KVSPLIT_CLAMP_SELECT) {
-            o_ptr = live ? o_cursor + u * o_step : o_last;
-            s_ptr = live ? s_cursor + u * s_step : s_last;
-          } else {
-            const int slot = live ? u : count - 1 - j0;
-            o_ptr = o_cursor + slot * o_step;
-            s_ptr = s_cursor + slot * s_step;
-          }
-          packed[u] = __ldg(reinterpret_cast<const uint4*>(o_ptr));
-          float2 stat;
-          if (paired_stats) {
-            stat = __ldg(reinterpret_cast<const float2*>(s_ptr));
-          } else if constexpr (kFormat == StatsFormat::kMaxSum) {
-            stat = make_float2(__ldg(s_ptr), __ldg(s_ptr + 1));
-          } else {
-            stat = make_float2(__ldg(s_ptr), 1.f);
-          }
-          m_in[u] = live ? stat.x * p.log2_scale : neg_inf();
-          l_in[u] = stat.y;
+          const int slot = live ? u : count - 1 - j0;
+          const float* s_ptr = s_cursor + slot * s_step;
+          packed[u] = __ldg(reinterpret_cast<const uint4*>(o_cursor + slot * o_step));
+          // Stats may have any strides, so a (max, sum) pair is two loads.
+          const float m_raw = __ldg(s_ptr);
+          l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s_ptr + 1) : 1.f;
+          m_in[u] = live ? m_raw * p.log2_scale : neg_inf();
         }
         state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
         o_cursor += kLoadUnroll * o_step;

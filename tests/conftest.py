@@ -1,0 +1,213 @@
+"""Shared helpers for the merge tests.
+
+The suite runs with ``--import-mode=importlib``, so test files cannot import
+each other; the helpers reach them through the session fixture ``merge_kit``
+(plain functions, no state) and the function fixture ``chosen_kv_split``.
+
+Stats formats are named by one string everywhere: ``"maxsum"``,
+``"lse2"`` (log-sum-exp in base 2) and ``"lsee"`` (base e).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvsplit
+from kvsplit import _native, reference
+from kvsplit.dispatch import dispatcher
+
+LOG2E = 1.0 / math.log(2.0)
+BASES = {"lse2": 2.0, "lsee": math.e}
+
+# Largest ||out - ref|| / ||ref|| accepted per output dtype: the 16-bit rounding
+# of the output alone costs about eps / 2 / sqrt(3) on random data.
+REL_NORM_TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+# Elementwise: one ulp of the output (twice its rounding error) plus the float32
+# accumulation error of values of order one.
+ATOL = 1e-5
+STATS_RTOL, STATS_ATOL = 1e-5, 1e-6
+
+
+def generator(*key) -> torch.Generator:
+    """A CPU generator seeded from ``key`` (stable across runs and processes)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def stats_kind(fmt: str) -> str:
+    return "maxsum" if fmt == "maxsum" else "lse"
+
+
+def partials(fmt, num_splits, rows, head_dim, dtype, gen, *, empty_fraction=0.2):
+    """Random self-consistent CPU partials: (partial_o in ``dtype``, float32 stats)."""
+    partial_o, stats = reference.random_partials(
+        num_splits, rows, head_dim, stats_format=stats_kind(fmt), generator=gen,
+        empty_fraction=empty_fraction)
+    return partial_o.to(dtype), stats
+
+
+def scale_log2(gen) -> float:
+    """A softmax scale (times log2 e) in [0.25, 2): spread weights, some near 0."""
+    return float(0.25 + 1.75 * torch.rand((), generator=gen))
+
+
+def merge(fmt, partial_o, stats, *, scale=1.0, **kwargs):
+    """Runs the public merge for ``fmt``; returns (out, exported stats or LSE)."""
+    if fmt == "maxsum":
+        return kvsplit.merge_maxsum(partial_o, stats, scale, return_stats=True, **kwargs)
+    return kvsplit.merge_lse(partial_o, stats, base=BASES[fmt], return_lse=True, **kwargs)
+
+
+def merge_reference(fmt, partial_o, stats, *, scale=1.0, sinks=None, split_counts=None):
+    """Float64 reference on the CPU; returns (out, stats or LSE)."""
+    partial_o, stats = partial_o.cpu(), stats.cpu()
+    sinks = None if sinks is None else sinks.cpu()
+    split_counts = None if split_counts is None else split_counts.cpu()
+    if fmt == "maxsum":
+        return reference.merge_maxsum_reference(partial_o, stats, scale, sinks=sinks,
+                                                split_counts=split_counts)
+    return reference.merge_lse_reference(partial_o, stats, base=BASES[fmt], sinks=sinks,
+                                         split_counts=split_counts)
+
+
+def assert_matches_reference(out, out_stats, ref_out, ref_stats, *, stats_rtol=STATS_RTOL):
+    """Output and exported stats of one merge against the float64 reference.
+
+    ||out - ref|| / ||ref|| is bounded per output dtype, with an absolute
+    floor for outputs that are nearly all zero (subnormal 16-bit values);
+    elementwise, one output ulp plus ATOL. The stats are float32, so they are
+    held to the reference rounded to float32 (a total past 2^128 is inf there).
+    """
+    out, out_stats = out.cpu(), out_stats.cpu()
+    assert not out.isnan().any() and not out_stats.isnan().any()
+    eps = torch.finfo(out.dtype).eps
+    got = out.double()
+    error = float((got - ref_out).norm())
+    bound = REL_NORM_TOL[out.dtype] * float(ref_out.norm()) + ATOL * math.sqrt(ref_out.numel())
+    assert error <= bound, f"||out - ref|| = {error:.3g} > {bound:.3g}"
+    torch.testing.assert_close(got, ref_out, rtol=eps, atol=ATOL)
+    # assert_close also requires -inf where the reference has -inf (empty rows).
+    torch.testing.assert_close(out_stats.double(), ref_stats.float().double(), rtol=stats_rtol,
+                               atol=STATS_ATOL)
+
+
+def assert_same_function(fmt, out, out_stats, base_out, base_stats):
+    """Two evaluations of the same merge that may differ only by float32 rounding.
+
+    Changing kv_split reorders float32 sums, which can move a rounded 16-bit
+    output by one ulp (and tiny values by a float32 rounding), no more, and
+    only in a few elements. The maximum is exact whatever the order.
+    """
+    out, out_stats, base_out, base_stats = (t.cpu() for t in (out, out_stats, base_out, base_stats))
+    eps = torch.finfo(out.dtype).eps
+    torch.testing.assert_close(out.double(), base_out.double(), rtol=eps, atol=ATOL)
+    differing = (out != base_out).double().mean().item()
+    assert differing <= 0.02, f"{differing:.1%} of the elements differ"
+    if fmt == "maxsum":
+        assert torch.equal(out_stats[:, 0], base_stats[:, 0])
+        torch.testing.assert_close(out_stats[:, 1], base_stats[:, 1], rtol=2e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(out_stats, base_stats, rtol=2e-6, atol=1e-6)
+
+
+def expected_kv_split(kv_split, *, head_dim, elem_bytes, rows, num_splits, sm_count=None):
+    """The K a forced ``kv_split`` runs as, from SPEC section 4 (not from dispatch/)."""
+    k = kv_split
+    while k > 1:
+        group_holds_row = (512 // k) * 16 >= head_dim * elem_bytes
+        rows_per_cta = (512 // k) * 16 // (head_dim * elem_bytes)
+        fits_grid = (sm_count is None or not group_holds_row
+                     or -(-rows // rows_per_cta) <= 2 * sm_count)
+        if group_holds_row and fits_grid and k <= num_splits:
+            break
+        k //= 2
+    return k
+
+
+def cuda_skip_reason() -> str | None:
+    """Why the CUDA tests cannot run here (None: they can)."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if not _native.has_cuda_kernels():
+        return "this kvsplit build has no CUDA kernels"
+    major, minor = torch.cuda.get_device_capability()
+    capability = 10 * major + minor
+    built = _native.ext().cuda_architectures.split()
+    for entry in built:
+        arch, _, kind = entry.partition("-")
+        specific = arch.endswith(("a", "f"))
+        number = int(arch.rstrip("af"))
+        if kind in ("real", "") and number == capability:
+            return None
+        if kind in ("virtual", "") and not specific and number <= capability:
+            return None  # PTX, JIT-compiled for newer GPUs
+    return f"kvsplit was built for {built}, not for sm_{capability}"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Every merge test runs on the CPU, and on CUDA where it can."""
+    if request.param == "cuda":
+        reason = cuda_skip_reason()
+        if reason:
+            pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture
+def cuda_device() -> str:
+    """For CUDA-only tests (mark them ``gpu`` too)."""
+    reason = cuda_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return "cuda"
+
+
+@pytest.fixture(scope="session")
+def merge_kit():
+    """The helpers above, as one namespace (see the module docstring)."""
+    return SimpleNamespace(
+        generator=generator, partials=partials, scale_log2=scale_log2, merge=merge,
+        reference=merge_reference, assert_matches_reference=assert_matches_reference,
+        assert_same_function=assert_same_function, expected_kv_split=expected_kv_split,
+        stats_kind=stats_kind, bases=BASES)
+
+
+@pytest.fixture(scope="module")
+def dispatch_sandbox(tmp_path_factory):
+    """Keeps merge tests off the user's tuning database, off profiling and off env overrides.
+
+    The numerics do not depend on how ``kv_split=None`` was resolved; ``cached``
+    mode resolves it without profiling, from a throwaway database (profiling
+    and the database have tests of their own).
+    """
+    database = tmp_path_factory.mktemp("kvsplit-db") / "tuning.sqlite"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSPLIT_DB", f"sqlite:///{database}")
+        patch.setenv("KVSPLIT_MODE", "cached")
+        patch.delenv("KVSPLIT_MAX_SPLIT", raising=False)
+        yield
+
+
+@pytest.fixture
+def chosen_kv_split(monkeypatch):
+    """Records the K the dispatcher hands to the kernel, call by call.
+
+    Lets a test check that a forced kv_split really ran (after the
+    constraints), so that a grid over K cannot silently test K = 1 only.
+    """
+    monkeypatch.delenv("KVSPLIT_MAX_SPLIT", raising=False)
+    chosen: list[int] = []
+    choose = dispatcher.choose
+
+    def spy(*args, **kwargs):
+        k = choose(*args, **kwargs)
+        chosen.append(k)
+        return k
+
+    monkeypatch.setattr(dispatcher, "choose", spy)
+    return chosen

@@ -9,7 +9,6 @@ import time
 from collections import Counter
 
 import click
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -37,7 +36,9 @@ def _words(choices):
     return parse
 
 
-def _devices(value: str | None) -> list[torch.device]:
+def _devices(value: str | None) -> list:
+    import torch
+
     if value in (None, ""):
         return [torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")]
     if value == "cpu":
@@ -53,6 +54,8 @@ def _devices(value: str | None) -> list[torch.device]:
 
 def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool, report) -> None:
     """Tune ``keys`` (JSON) on ``device``, storing each result; report each outcome."""
+    import torch
+
     from ..db import TuningKey, open_store
     from .tuner import tune
 

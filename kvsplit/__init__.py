@@ -1,6 +1,16 @@
-"""kvsplit: the split-KV ("flash-decoding") attention merge, tuned per GPU and shape."""
+"""kvsplit: the split-KV ("flash-decoding") attention merge, tuned per GPU and shape.
 
-from .merge import merge_lse, merge_maxsum
+``merge_maxsum`` and ``merge_lse`` are loaded on first use, so that
+``kvsplit.db`` and the database commands start without importing torch.
+"""
 
 __all__ = ["merge_lse", "merge_maxsum", "__version__"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in ("merge_lse", "merge_maxsum"):
+        from . import merge
+
+        return getattr(merge, name)
+    raise AttributeError(f"module 'kvsplit' has no attribute {name!r}")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from . import __version__, _native
 
 
 def collect() -> dict[str, str]:
+    import torch
+
     ext = _native.ext()
     facts = {
         "version": __version__,

@@ -1,0 +1,71 @@
+"""The kvsplit tuning database.
+
+Results of tuning (which config won for which key, and how every candidate
+measured) in any SQLAlchemy database; SQLite in the user cache directory by
+default.  Everything returned is a pydantic model; ORM rows stay inside.
+
+Typical use::
+
+    from kvsplit.db import open_store_for_library
+    store = open_store_for_library()          # never raises; warns and uses memory
+    choices = store.load_choices(device, build_hash)
+"""
+
+from .configs import FAMILIES, check_config
+from .connect import open_store, open_store_for_library
+from .engine import DEFAULT_TIMEOUT_S, ENV_VAR, default_url, resolve_url
+from .errors import DbWarning, InvalidExportError, SchemaTooNew, StoreError
+from .migrate import head_revision
+from .schemas import (
+    BASELINE,
+    BuildStats,
+    CandidateResult,
+    ChoiceKey,
+    DeviceInfo,
+    DeviceStats,
+    ExportFile,
+    ImportSummary,
+    KernelConfig,
+    PruneResult,
+    StoreStats,
+    TuningKey,
+    TuningPolicy,
+    TuningRecord,
+)
+from .store import Store
+from .transfer import dump_export, make_export, parse_export, read_export
+
+__all__ = [
+    "BASELINE",
+    "DEFAULT_TIMEOUT_S",
+    "ENV_VAR",
+    "FAMILIES",
+    "BuildStats",
+    "CandidateResult",
+    "ChoiceKey",
+    "DbWarning",
+    "DeviceInfo",
+    "DeviceStats",
+    "ExportFile",
+    "ImportSummary",
+    "InvalidExportError",
+    "KernelConfig",
+    "PruneResult",
+    "SchemaTooNew",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "TuningKey",
+    "TuningPolicy",
+    "TuningRecord",
+    "check_config",
+    "default_url",
+    "dump_export",
+    "head_revision",
+    "make_export",
+    "open_store",
+    "open_store_for_library",
+    "parse_export",
+    "read_export",
+    "resolve_url",
+]

@@ -1,0 +1,313 @@
+"""``kvsplit db``: inspect, share and clean the tuning database.
+
+The lead attaches :data:`db` to the main group with ``main.add_command(db)``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+
+from .connect import open_store
+from .errors import DbWarning, InvalidExportError, StoreError
+from .render import console, records_table, show_import, show_prune, show_record, show_stats, to_json
+from .store import Store
+from .transfer import dump_export
+
+EXIT_NOT_FOUND = 1
+EXIT_INVALID = 2
+EXIT_DATABASE = 3
+
+
+class InvalidInput(click.ClickException):
+    """Bad input that click itself did not catch: exit 2, like a usage error."""
+
+    exit_code = EXIT_INVALID
+
+
+class DatabaseProblem(click.ClickException):
+    exit_code = EXIT_DATABASE
+
+
+class NotFound(click.ClickException):
+    exit_code = EXIT_NOT_FOUND
+
+
+class _DbGroup(click.Group):
+    """Turns the layer's exceptions into one-line messages and exit codes; prints warnings plainly."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DbWarning)
+            try:
+                return super().invoke(ctx)
+            except StoreError as exc:
+                raise DatabaseProblem(str(exc)) from None
+            except InvalidExportError as exc:
+                lines = "\n".join(f"  {p}" for p in exc.problems)
+                raise InvalidInput(f"invalid tuning export, nothing was written:\n{lines}") from None
+            finally:
+                for w in caught:
+                    click.echo(f"warning: {w.message}", err=True)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+class Duration(click.ParamType):
+    """A duration like ``30d``, ``12h``, ``90m``, ``2w``, ``45s``."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        match = _DURATION.match(str(value))
+        if not match:
+            self.fail(f"{value!r} is not a duration like 30d, 12h, 90m, 2w or 45s", param, ctx)
+        return timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+
+
+def _open(ctx: click.Context) -> Store:
+    store = open_store(ctx.obj["url"])
+    ctx.call_on_close(store.close)
+    return store
+
+
+def _filters(function: Any) -> Any:
+    """The filters shared by list, show, export and plot."""
+    options = [
+        click.option("--device", help="Part of the device name, any case (e.g. h200)."),
+        click.option("--build", "build_hash", help="Kernel build hash."),
+        click.option("--head-dim", type=int, help="Head dimension D."),
+        click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Dtype of the partials."),
+        click.option("--out-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Output dtype."),
+        click.option("--stats-format", type=click.Choice(["maxsum", "lse"])),
+        click.option("--num-splits", type=int, help="Number of partials N."),
+        click.option("--rows", type=int, help="Number of output rows."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _json_flag(function: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help="Print stable JSON for programs.")(function)
+
+
+@click.group(cls=_DbGroup)
+@click.option(
+    "--db",
+    "url",
+    envvar="KVSPLIT_DB",
+    metavar="URL",
+    help="SQLAlchemy URL or SQLite file path [env KVSPLIT_DB; default: tuning.sqlite in the user cache dir].",
+)
+@click.pass_context
+def db(ctx: click.Context, url: str | None) -> None:
+    """Inspect, share and clean the tuning database.
+
+    \b
+    Exit codes:
+      0  success
+      1  nothing matched (show)
+      2  usage error or invalid input (bad option, invalid import file)
+      3  database problem (bad URL, unreachable server, corrupt or
+         read-only file, locked, schema newer than this kvsplit)
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["url"] = url
+
+
+@db.command("list")
+@_filters
+@_json_flag
+@click.pass_context
+def list_(ctx: click.Context, as_json: bool, **filters: Any) -> None:
+    """List tuning results (winner and speed-up over kv_split=1)."""
+    records = _open(ctx).query(**filters)
+    if as_json:
+        click.echo(to_json(records))
+    else:
+        console().print(records_table(records))
+
+
+@db.command()
+@_filters
+@_json_flag
+@click.pass_context
+def show(ctx: click.Context, as_json: bool, **filters: Any) -> None:
+    """Show one tuning result with every candidate; the filters must pick exactly one."""
+    records = _open(ctx).query(**filters)
+    if not records:
+        raise NotFound("no tuning result matches")
+    if len(records) > 1:
+        raise InvalidInput(
+            f"{len(records)} tuning results match; narrow with --device, --build, --head-dim, "
+            f"--dtype, --out-dtype, --stats-format, --num-splits, --rows (see `kvsplit db list`)"
+        )
+    if as_json:
+        click.echo(to_json(records[0]))
+    else:
+        show_record(console(), records[0])
+
+
+@db.command()
+@click.option("--current-build", metavar="HASH", help="Builds other than this are stale [default: all but the newest].")
+@_json_flag
+@click.pass_context
+def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
+    """Keys per device, mean speed-up over kv_split=1, oldest/newest, stale builds."""
+    result = _open(ctx).stats(current_build)
+    if as_json:
+        click.echo(to_json(result))
+    else:
+        show_stats(console(), result)
+
+
+@db.command("export")
+@_filters
+@click.option(
+    "--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), help="File to write [default: stdout]."
+)
+@click.pass_context
+def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
+    """Export tuning results as JSON (format kvsplit-tuning, version 1)."""
+    export = _open(ctx).export_records(**filters)
+    text = dump_export(export)
+    if out_path is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        out_path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    click.echo(f"exported {len(export.records)} tuning results to {out_path}", err=True)
+
+
+@db.command("import")
+@click.argument("file", type=click.File("rb"))
+@click.option(
+    "--rule",
+    type=click.Choice(["newer", "replace", "keep"]),
+    default="newer",
+    show_default=True,
+    help="For a key already stored: newer = take the import only if its updated_at is later "
+    "(ties keep the stored one); replace = always take the import; keep = never.",
+)
+@click.option("--replace", is_flag=True, help="Same as --rule replace.")
+@click.option("--keep", is_flag=True, help="Same as --rule keep.")
+@click.option("--dry-run", is_flag=True, help="Validate and count; write nothing.")
+@_json_flag
+@click.pass_context
+def import_(
+    ctx: click.Context, file: BinaryIO, rule: str, replace: bool, keep: bool, dry_run: bool, as_json: bool
+) -> None:
+    """Merge a JSON export (FILE, or - for stdin) into the database, all or nothing.
+
+    The whole file is validated first; any problem (unknown field, unknown
+    config, bad times, missing key) is listed and nothing is written.
+    """
+    if replace and keep:
+        raise click.UsageError("--replace and --keep exclude each other")
+    rule = "replace" if replace else "keep" if keep else rule
+    try:
+        # Bytes, never a str: parse_export would take a non-JSON str for a path.
+        source = file.read()
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {file.name}: {exc.strerror or exc}") from None
+    summary = _open(ctx).import_records(source, rule=rule, dry_run=dry_run)
+    if as_json:
+        click.echo(to_json(summary))
+    else:
+        show_import(console(), summary)
+
+
+@db.command()
+@click.option("--stale-builds", is_flag=True, help="Delete results of stale builds.")
+@click.option(
+    "--current-build",
+    metavar="HASH",
+    help="With --stale-builds: builds other than this are stale [default: all but the newest].",
+)
+@click.option(
+    "--other-devices-than",
+    metavar="DEVICE",
+    help="Delete results of every device whose name does not contain DEVICE (any case).",
+)
+@click.option("--older-than", type=Duration(), help="Delete results last updated longer ago than this (30d, 12h, 2w).")
+@click.option("--dry-run", is_flag=True, help="Only show what would be deleted.")
+@_json_flag
+@click.pass_context
+def prune(
+    ctx: click.Context,
+    stale_builds: bool,
+    current_build: str | None,
+    other_devices_than: str | None,
+    older_than: timedelta | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Delete results matching ANY of the criteria given."""
+    if not (stale_builds or other_devices_than or older_than is not None):
+        raise click.UsageError("give at least one of --stale-builds, --other-devices-than, --older-than")
+    if current_build and not stale_builds:
+        raise click.UsageError("--current-build only applies with --stale-builds")
+    try:
+        result = _open(ctx).prune(
+            stale_builds=stale_builds,
+            current_build=current_build,
+            other_devices_than=other_devices_than,
+            older_than=older_than,
+            dry_run=dry_run,
+        )
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    if as_json:
+        click.echo(
+            to_json(
+                {
+                    "dry_run": result.dry_run,
+                    "count": result.count,
+                    "keys": [k.model_dump(mode="json") for k in result.keys],
+                }
+            )
+        )
+    else:
+        show_prune(console(), result)
+
+
+@db.command()
+@_filters
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="kvsplit-tuning.png",
+    show_default=True,
+    help="PNG file to write.",
+)
+@click.pass_context
+def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
+    """Draw the winner kv_split and its speed-up over kv_split=1 as a PNG.
+
+    One row of two heat maps (num_splits x rows) per device, build, head dim,
+    dtypes and stats format.
+    """
+    from .plot import MAX_GROUPS, plot_records
+
+    records = _open(ctx).query(**filters)
+    if not records:
+        raise NotFound("no tuning result matches; nothing to plot")
+    try:
+        groups = plot_records(records, out_path)
+    except OSError as exc:
+        raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    more = f" (first {MAX_GROUPS} groups only; use filters)" if groups == MAX_GROUPS else ""
+    click.echo(f"wrote {out_path}: {groups} groups, {len(records)} results{more}", err=True)

@@ -1,0 +1,189 @@
+"""SQLAlchemy ORM models of the tuning database (schema revision 0002).
+
+These classes never leave ``db/``: :mod:`.store` turns them into the pydantic
+models of :mod:`.schemas`.  Constraint names are spelled out because Alembic's
+batch mode on SQLite finds constraints by name, and the migrations in
+``migrations/versions`` must produce exactly these tables (a test compares them).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+KEY_COLUMNS = (
+    "device_id",
+    "build_id",
+    "head_dim",
+    "partial_dtype",
+    "out_dtype",
+    "stats_format",
+    "num_splits",
+    "rows",
+)
+
+
+class CanonicalJSON(TypeDecorator):
+    """A JSON object stored as text with sorted keys and no spaces.
+
+    Text rather than the dialect's JSON type so that the same parameters always
+    give the same string: equality and unique constraints then work on SQLite and
+    PostgreSQL alike (PostgreSQL's ``json`` type has no equality operator).
+    """
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> str | None:
+        return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    def process_result_value(self, value: str | None, dialect: Any) -> Any:
+        return None if value is None else json.loads(value)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timestamp stored as naive UTC and read back as an aware UTC ``datetime``.
+
+    SQLite keeps no time zone, so every backend stores naive UTC and the zone is
+    put back on read.
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Device(Base):
+    """A GPU model as the tuner saw it; MIG slices differ by SM count."""
+
+    __tablename__ = "devices"
+    __table_args__ = (UniqueConstraint("name", "cc_major", "cc_minor", "sm_count", name="uq_devices_identity"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    cc_major: Mapped[int] = mapped_column(Integer)
+    cc_minor: Mapped[int] = mapped_column(Integer)
+    sm_count: Mapped[int] = mapped_column(Integer)
+
+
+class KernelBuild(Base):
+    """One compiled kernel library; results of other builds may be stale."""
+
+    __tablename__ = "kernel_builds"
+    __table_args__ = (UniqueConstraint("build_hash", name="uq_kernel_builds_build_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    build_hash: Mapped[str] = mapped_column(String(128))
+    # The kvsplit version of the first record stored for this build.
+    library_version: Mapped[str] = mapped_column(String(64))
+
+
+class TuningResult(Base):
+    """The winner for one key, with the policy that chose it."""
+
+    __tablename__ = "tuning_results"
+    __table_args__ = (UniqueConstraint(*KEY_COLUMNS, name="uq_tuning_results_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_id: Mapped[int] = mapped_column(
+        ForeignKey("devices.id", ondelete="CASCADE", name="fk_tuning_results_device_id")
+    )
+    build_id: Mapped[int] = mapped_column(
+        ForeignKey("kernel_builds.id", ondelete="CASCADE", name="fk_tuning_results_build_id")
+    )
+    head_dim: Mapped[int] = mapped_column(Integer)
+    partial_dtype: Mapped[str] = mapped_column(String(16))
+    out_dtype: Mapped[str] = mapped_column(String(16))
+    stats_format: Mapped[str] = mapped_column(String(16))
+    num_splits: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    winner_family: Mapped[str] = mapped_column(String(32))
+    winner_params: Mapped[dict[str, int]] = mapped_column(CanonicalJSON)
+    l2_state: Mapped[str] = mapped_column(String(8))
+    repeats: Mapped[int] = mapped_column(Integer)
+    noise_margin: Mapped[float] = mapped_column(Float)
+    tool_version: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    # innerjoin: the foreign keys are NOT NULL, and PostgreSQL refuses
+    # FOR UPDATE on the nullable side of an outer join.
+    device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
+    build: Mapped[KernelBuild] = relationship(lazy="joined", innerjoin=True)
+    candidates: Mapped[list[Candidate]] = relationship(
+        lazy="selectin",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="Candidate.id",
+    )
+
+    # The three properties below let the pydantic models read a row with
+    # ``from_attributes=True``.
+    @property
+    def key(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "build_hash": self.build.build_hash,
+            "head_dim": self.head_dim,
+            "partial_dtype": self.partial_dtype,
+            "out_dtype": self.out_dtype,
+            "stats_format": self.stats_format,
+            "num_splits": self.num_splits,
+            "rows": self.rows,
+        }
+
+    @property
+    def winner(self) -> dict[str, Any]:
+        return {"family": self.winner_family, "params": self.winner_params}
+
+    @property
+    def policy(self) -> dict[str, Any]:
+        return {"l2_state": self.l2_state, "repeats": self.repeats, "noise_margin": self.noise_margin}
+
+
+class Candidate(Base):
+    """One config measured for a result; times in microseconds."""
+
+    __tablename__ = "tuning_candidates"
+    __table_args__ = (UniqueConstraint("result_id", "family", "params", name="uq_tuning_candidates_config"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    result_id: Mapped[int] = mapped_column(
+        ForeignKey("tuning_results.id", ondelete="CASCADE", name="fk_tuning_candidates_result_id")
+    )
+    family: Mapped[str] = mapped_column(String(32))
+    params: Mapped[dict[str, int]] = mapped_column(CanonicalJSON)
+    median_us: Mapped[float] = mapped_column(Float)
+    p10_us: Mapped[float] = mapped_column(Float)
+    p90_us: Mapped[float] = mapped_column(Float)
+    samples: Mapped[int] = mapped_column(Integer)
+    matched: Mapped[bool] = mapped_column(Boolean)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"family": self.family, "params": self.params}

@@ -1,0 +1,145 @@
+"""Rich tables for ``kvsplit db`` (people) and stable JSON (programs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from .schemas import BASELINE, ImportSummary, PruneResult, StoreStats, TuningRecord
+
+
+def console() -> Console:
+    # Wide when piped, so tables don't wrap in logs and captured output.
+    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
+def to_json(value: BaseModel | list[BaseModel] | dict[str, Any]) -> str:
+    """JSON text with fields in model order and two-space indent."""
+    if isinstance(value, BaseModel):
+        data: Any = value.model_dump(mode="json")
+    elif isinstance(value, list):
+        data = [v.model_dump(mode="json") for v in value]
+    else:
+        data = value
+    return json.dumps(data, indent=2)
+
+
+def _when(value: datetime | None) -> str:
+    return value.strftime("%Y-%m-%d %H:%M") if value is not None else "-"
+
+
+def _x(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def records_table(records: list[TuningRecord]) -> Table:
+    table = Table(title=f"{len(records)} tuning results")
+    for name in ("device", "build", "D", "dtype", "stats", "num_splits", "rows", "winner", "vs K=1", "updated"):
+        table.add_column(
+            name,
+            justify="right" if name in ("D", "num_splits", "rows", "vs K=1") else "left",
+            no_wrap=name == "device",
+        )
+    for r in records:
+        k = r.key
+        table.add_row(
+            k.device.label,
+            k.build_hash[:12],
+            str(k.head_dim),
+            f"{k.partial_dtype}->{k.out_dtype}",
+            k.stats_format,
+            str(k.num_splits),
+            str(k.rows),
+            r.winner.label,
+            _x(r.speedup),
+            _when(r.updated_at),
+        )
+    return table
+
+
+def show_record(out: Console, record: TuningRecord) -> None:
+    k, p = record.key, record.policy
+    out.print(f"[bold]device[/bold]      {k.device.label}")
+    out.print(f"[bold]build[/bold]       {k.build_hash}")
+    out.print(
+        f"[bold]shape[/bold]       head_dim={k.head_dim} partial_dtype={k.partial_dtype} "
+        f"out_dtype={k.out_dtype} stats_format={k.stats_format} num_splits={k.num_splits} rows={k.rows}"
+    )
+    out.print(f"[bold]winner[/bold]      {record.winner.label}  ({_x(record.speedup)} vs kv_split=1)")
+    out.print(f"[bold]policy[/bold]      l2={p.l2_state} repeats={p.repeats} noise_margin={p.noise_margin:g}")
+    out.print(
+        f"[bold]tuned[/bold]       by kvsplit {record.tool_version}, created {_when(record.created_at)},"
+        f" updated {_when(record.updated_at)} UTC"
+    )
+    base = record.candidate(BASELINE)
+    table = Table(title="candidates (microseconds)")
+    for name in ("config", "median", "p10", "p90", "samples", "matched", "vs K=1", ""):
+        table.add_column(name, justify="left" if name in ("config", "matched", "") else "right")
+    for c in sorted(record.candidates, key=lambda c: c.median_us):
+        ratio = base.median_us / c.median_us if base and c.median_us > 0 else None
+        table.add_row(
+            c.config.label,
+            f"{c.median_us:.3f}",
+            f"{c.p10_us:.3f}",
+            f"{c.p90_us:.3f}",
+            str(c.samples),
+            "yes" if c.matched else "[red]NO[/red]",
+            _x(ratio),
+            "winner" if c.config == record.winner else "",
+        )
+    out.print(table)
+
+
+def show_stats(out: Console, stats: StoreStats) -> None:
+    out.print(
+        f"{stats.url}: {stats.keys} tuning results, oldest {_when(stats.oldest)}, newest {_when(stats.newest)} UTC"
+    )
+    devices = Table(title="per device (speed-up of the winner over kv_split=1)")
+    for name in ("device", "keys", "mean speed-up", "max speed-up", "oldest", "newest"):
+        devices.add_column(name)
+    for d in stats.devices:
+        devices.add_row(
+            d.device.label, str(d.keys), _x(d.mean_speedup), _x(d.max_speedup), _when(d.oldest), _when(d.newest)
+        )
+    out.print(devices)
+    rule = f"not {stats.current_build}" if stats.current_build else "all but the most recently tuned"
+    builds = Table(title=f"kernel builds (stale = {rule})")
+    for name in ("build", "library version", "keys", "newest", "stale"):
+        builds.add_column(name)
+    for b in stats.builds:
+        builds.add_row(b.build_hash, b.library_version, str(b.keys), _when(b.newest), "stale" if b.stale else "")
+    out.print(builds)
+
+
+def show_prune(out: Console, result: PruneResult) -> None:
+    verb = "would delete" if result.dry_run else "deleted"
+    out.print(f"{verb} {result.count} tuning results")
+    if result.keys:
+        table = Table()
+        for name in ("device", "build", "D", "dtype", "stats", "num_splits", "rows"):
+            table.add_column(name)
+        for k in result.keys:
+            table.add_row(
+                k.device.label,
+                k.build_hash[:12],
+                str(k.head_dim),
+                f"{k.partial_dtype}->{k.out_dtype}",
+                k.stats_format,
+                str(k.num_splits),
+                str(k.rows),
+            )
+        out.print(table)
+
+
+def show_import(out: Console, summary: ImportSummary) -> None:
+    prefix = "dry run: would have " if summary.dry_run else ""
+    out.print(
+        f"{prefix}inserted {summary.inserted}, replaced {summary.replaced}, "
+        f"kept {summary.kept} existing (rule: {summary.rule})"
+    )

@@ -1,0 +1,265 @@
+"""Pydantic models: everything that leaves ``db/`` is one of these.
+
+Times are microseconds, timestamps aware UTC ``datetime``.  Dtypes are torch
+names without the ``torch.`` prefix.  The models forbid unknown fields so that
+an export file with a typo fails validation instead of losing data.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+from .configs import BASELINE_FAMILY, BASELINE_PARAMS, check_config
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+StatsFormat = Literal["maxsum", "lse"]
+L2State = Literal["warm", "cold"]
+ImportRule = Literal["newer", "replace", "keep"]
+
+# Upper bound of a 32-bit INTEGER column, so that an oversized value fails
+# validation instead of failing inside the database.
+_INT_MAX = 2**31 - 1
+Positive = Annotated[StrictInt, Field(ge=1, le=_INT_MAX)]
+Micros = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", from_attributes=True)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    # Naive timestamps are taken as UTC: that is how the database stores them.
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+class DeviceInfo(_Model, frozen=True):
+    """A GPU as seen by the tuner: name, compute capability and SM count."""
+
+    name: str = Field(min_length=1, max_length=128)
+    cc_major: int = Field(ge=0, le=99, strict=True)
+    cc_minor: int = Field(ge=0, le=99, strict=True)
+    sm_count: Positive
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (sm_{self.cc_major}{self.cc_minor}, {self.sm_count} SMs)"
+
+
+class KernelConfig(_Model, frozen=True):
+    """A kernel family and its integer parameters, e.g. ``kvsplit(kv_split=4)``.
+
+    Validated against :data:`kvsplit.db.configs.FAMILIES`.  Hashable, so it can
+    key a dictionary; treat ``params`` as read-only.
+    """
+
+    family: str = "kvsplit"
+    params: dict[str, StrictInt]
+
+    @model_validator(mode="after")
+    def _known(self) -> KernelConfig:
+        check_config(self.family, self.params)
+        return self
+
+    def __hash__(self) -> int:
+        return hash((self.family, tuple(sorted(self.params.items()))))
+
+    @classmethod
+    def kvsplit(cls, kv_split: int) -> KernelConfig:
+        """The KvSplit family config with ``kv_split`` thread groups per row."""
+        return cls(family="kvsplit", params={"kv_split": kv_split})
+
+    @property
+    def kv_split(self) -> int | None:
+        """K for the KvSplit family, ``None`` for any other family."""
+        return self.params.get("kv_split") if self.family == "kvsplit" else None
+
+    @property
+    def label(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.family}({inner})"
+
+
+BASELINE = KernelConfig(family=BASELINE_FAMILY, params=BASELINE_PARAMS)
+
+ChoiceKey = tuple[int, str, str, str, int, int]
+
+
+class TuningKey(_Model, frozen=True):
+    """Everything a tuning result depends on.
+
+    ``rows`` and ``num_splits`` may be bucket representatives chosen by the
+    dispatcher; the database stores whatever it is given.
+    """
+
+    device: DeviceInfo
+    build_hash: str = Field(min_length=1, max_length=128)
+    head_dim: Positive
+    partial_dtype: Dtype
+    out_dtype: Dtype
+    stats_format: StatsFormat
+    num_splits: Positive
+    rows: Positive
+
+    @property
+    def choice_key(self) -> ChoiceKey:
+        """The key of :meth:`Store.load_choices`.
+
+        ``(head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows)``
+        """
+        return (
+            self.head_dim,
+            self.partial_dtype,
+            self.out_dtype,
+            self.stats_format,
+            self.num_splits,
+            self.rows,
+        )
+
+
+class TuningPolicy(_Model):
+    """How the winner was chosen.
+
+    ``noise_margin`` is relative (0.02 = 2 %): a larger config must beat a
+    smaller one by more than this to win.
+    """
+
+    l2_state: L2State = "warm"
+    repeats: Positive
+    noise_margin: float = Field(ge=0.0, allow_inf_nan=False)
+
+
+class CandidateResult(_Model):
+    """One measured config; times in microseconds per launch."""
+
+    config: KernelConfig
+    median_us: Micros
+    p10_us: Micros
+    p90_us: Micros
+    samples: Positive
+    matched: StrictBool  # whether its output matched kv_split=1
+
+    @model_validator(mode="after")
+    def _ordered(self) -> CandidateResult:
+        if not self.p10_us <= self.median_us <= self.p90_us:
+            raise ValueError(f"need p10_us <= median_us <= p90_us, got {self.p10_us}, {self.median_us}, {self.p90_us}")
+        return self
+
+
+class TuningRecord(_Model):
+    """A tuning result: key, winner, policy and every candidate measured.
+
+    ``candidates`` may be empty (a table that ships winners only); otherwise
+    the winner must be one of them and must have matched kv_split=1.
+    """
+
+    key: TuningKey
+    winner: KernelConfig
+    policy: TuningPolicy
+    candidates: list[CandidateResult] = Field(default_factory=list)
+    tool_version: str = Field(min_length=1, max_length=64)
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    _to_utc = field_validator("created_at", "updated_at")(_utc)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TuningRecord:
+        seen: set[KernelConfig] = set()
+        for c in self.candidates:
+            if c.config in seen:
+                raise ValueError(f"candidate {c.config.label} appears twice")
+            seen.add(c.config)
+        if self.candidates:
+            winner = self.candidate(self.winner)
+            if winner is None:
+                raise ValueError(f"winner {self.winner.label} is not among the candidates")
+            if not winner.matched:
+                raise ValueError(f"winner {self.winner.label} did not match kv_split=1")
+        return self
+
+    def candidate(self, config: KernelConfig) -> CandidateResult | None:
+        """The measurement of ``config``, or ``None`` if it was not measured."""
+        return next((c for c in self.candidates if c.config == config), None)
+
+    @property
+    def speedup(self) -> float | None:
+        """Median time of kv_split=1 divided by the winner's; ``None`` if either is unknown."""
+        base, best = self.candidate(BASELINE), self.candidate(self.winner)
+        if base is None or best is None or best.median_us <= 0:
+            return None
+        value = base.median_us / best.median_us
+        return value if math.isfinite(value) else None
+
+
+class ExportFile(_Model):
+    """The JSON exchange format, ``{"format": "kvsplit-tuning", "version": 1, "records": [...]}``."""
+
+    format: Literal["kvsplit-tuning"] = "kvsplit-tuning"
+    version: Literal[1] = 1
+    exported_at: datetime | None = None
+    tool_version: str | None = None
+    records: list[TuningRecord]
+
+    _to_utc = field_validator("exported_at")(_utc)
+
+
+class ImportSummary(_Model):
+    """What an import did (or, with ``dry_run``, would do)."""
+
+    rule: ImportRule
+    inserted: int = 0
+    replaced: int = 0
+    kept: int = 0
+    dry_run: bool = False
+
+
+class PruneResult(_Model):
+    """The keys that a prune deleted (or, with ``dry_run``, would delete)."""
+
+    keys: list[TuningKey]
+    dry_run: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.keys)
+
+
+class DeviceStats(_Model):
+    """Per-device summary; speed-ups are over kv_split=1, among keys that measured it."""
+
+    device: DeviceInfo
+    keys: int
+    mean_speedup: float | None
+    max_speedup: float | None
+    oldest: datetime | None
+    newest: datetime | None
+
+
+class BuildStats(_Model):
+    """Per-build summary; ``stale`` as defined by :meth:`Store.stats`."""
+
+    build_hash: str
+    library_version: str
+    keys: int
+    newest: datetime | None
+    stale: bool
+
+
+class StoreStats(_Model):
+    """Summary of a whole database."""
+
+    url: str
+    keys: int
+    devices: list[DeviceStats]
+    builds: list[BuildStats]
+    current_build: str | None
+    oldest: datetime | None
+    newest: datetime | None

@@ -1,0 +1,394 @@
+"""The tuning store: upserts and queries over one engine.
+
+Every operation is one short transaction.  ORM rows are turned into the
+pydantic models of :mod:`.schemas` before the session closes; none leaves.
+A store opened with ``fallback=True`` (library callers) never raises for a
+database problem: it warns once and carries on with an in-memory database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from .engine import DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, describe_error, display_url, is_memory_url
+from .errors import DbWarning, StoreError
+from .migrate import ensure_schema
+from .models import Device, KernelBuild, TuningResult
+from .rows import device_is, find_for_write, find_result, merge_records, prune_results, stale_build_ids, write_record
+from .schemas import (
+    ChoiceKey,
+    DeviceInfo,
+    ExportFile,
+    ImportRule,
+    ImportSummary,
+    KernelConfig,
+    PruneResult,
+    StoreStats,
+    TuningKey,
+    TuningRecord,
+)
+from .summary import summarize
+from .transfer import make_export, parse_export
+
+log = logging.getLogger("kvsplit.db")
+T = TypeVar("T")
+MEMORY_URL = "sqlite://"
+# A concurrent writer (PostgreSQL) may insert the same device, build or key
+# between our SELECT and INSERT; the retry then finds its row and updates it.
+_WRITE_ATTEMPTS = 5
+
+
+_WRITE_OPTIONS = {WRITE_OPTION: True}
+
+
+def _read_options(engine: Engine) -> dict[str, object]:
+    # A read is several statements (results, then their candidates).  Under
+    # PostgreSQL's default READ COMMITTED each sees a new snapshot, so a writer
+    # committing in between could pair one writer's winner with another's
+    # candidates.  SQLite transactions are snapshots already.
+    return {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def memory_engine() -> Engine:
+    """A fresh in-memory SQLite engine with the schema at head."""
+    engine = create_db_engine(MEMORY_URL)
+    ensure_schema(engine)
+    return engine
+
+
+class Store:
+    """Tuning results in a database reached through one SQLAlchemy engine.
+
+    Use :func:`kvsplit.db.open_store` or :func:`kvsplit.db.open_store_for_library`
+    rather than this constructor: they create the schema or upgrade it.
+
+    Parameters
+    ----------
+    engine : sqlalchemy.Engine
+        Engine whose database is already at the head revision.
+    fallback : bool
+        If true, a database error warns once (:class:`DbWarning`) and the store
+        continues in memory; if false it raises :class:`StoreError`.
+    timeout_s : float
+        Busy timeout the engine was created with, for messages.
+    """
+
+    def __init__(self, engine: Engine, *, fallback: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self._engine = engine
+        self._fallback = fallback
+        self._timeout_s = timeout_s
+        self._swap_lock = threading.Lock()
+        self._memory_lock = threading.RLock()
+
+    # -- plumbing -----------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The database URL, password masked."""
+        return display_url(self._engine.url.render_as_string(hide_password=False))
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether results live only in this process (in-memory SQLite)."""
+        return is_memory_url(self._engine.url)
+
+    def close(self) -> None:
+        """Release pooled connections (an in-memory store loses its data)."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def _run(self, work: Callable[[Session], T], *, write: bool) -> T:
+        attempt = 0
+        while True:
+            engine = self._engine
+            bound = engine.execution_options(**(_WRITE_OPTIONS if write else _read_options(engine)))
+            # One in-memory connection serves every thread: transactions must not interleave.
+            guard = self._memory_lock if self.in_memory else contextlib.nullcontext()
+            try:
+                with guard, Session(bound, expire_on_commit=False) as session, session.begin():
+                    return work(session)
+            except IntegrityError as exc:
+                attempt += 1
+                if write and attempt < _WRITE_ATTEMPTS:
+                    log.debug("write conflict, retrying: %s", exc.orig)
+                    continue
+                self._failed(exc, engine)
+            except SQLAlchemyError as exc:
+                self._failed(exc, engine)
+
+    def _failed(self, exc: SQLAlchemyError, engine: Engine) -> None:
+        message = describe_error(exc, str(engine.url), self._timeout_s)
+        if not self._fallback or is_memory_url(engine.url):
+            raise StoreError(message) from exc
+        with self._swap_lock:
+            if self._engine is not engine:
+                return  # another thread already moved to memory; just retry there
+            warnings.warn(
+                f"kvsplit tuning database unusable, continuing in memory: {message}",
+                DbWarning,
+                stacklevel=4,
+            )
+            self._engine = memory_engine()
+        engine.dispose()
+
+    # -- writes -------------------------------------------------------------
+
+    def upsert(self, record: TuningRecord) -> None:
+        """Insert ``record``, or replace the result and candidates stored for its key.
+
+        ``updated_at`` becomes now; ``created_at`` is kept from the stored
+        result (or the record, or now).
+        """
+        self.upsert_many([record])
+
+    def upsert_many(self, records: Iterable[TuningRecord]) -> None:
+        """:meth:`upsert` each record, all in one transaction."""
+        records = list(records)
+
+        def work(session: Session) -> None:
+            now = _now()
+            for record in records:
+                write_record(session, record, find_for_write(session, record.key), now)
+
+        self._run(work, write=True)
+
+    # -- reads --------------------------------------------------------------
+
+    def get(self, key: TuningKey) -> TuningRecord | None:
+        """The record stored for ``key``, or ``None``."""
+
+        def work(session: Session) -> TuningRecord | None:
+            row = find_result(session, key)
+            return None if row is None else TuningRecord.model_validate(row)
+
+        return self._run(work, write=False)
+
+    def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, KernelConfig]:
+        """Every winner for one device and build, in one query.
+
+        Returns
+        -------
+        dict
+            ``(head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows)``
+            -> winning :class:`KernelConfig`.  Rows whose config this code does
+            not know (a newer family) are left out.
+        """
+        r = TuningResult
+
+        def work(session: Session) -> dict[ChoiceKey, KernelConfig]:
+            stmt = (
+                select(
+                    r.head_dim,
+                    r.partial_dtype,
+                    r.out_dtype,
+                    r.stats_format,
+                    r.num_splits,
+                    r.rows,
+                    r.winner_family,
+                    r.winner_params,
+                )
+                .join(Device, r.device_id == Device.id)
+                .join(KernelBuild, r.build_id == KernelBuild.id)
+                .where(*device_is(device), KernelBuild.build_hash == build_hash)
+            )
+            choices: dict[ChoiceKey, KernelConfig] = {}
+            for *key, family, params in session.execute(stmt):
+                try:
+                    choices[tuple(key)] = KernelConfig(family=family, params=params)
+                except ValueError:
+                    log.debug("skipping unknown config %s %s", family, params)
+            return choices
+
+        return self._run(work, write=False)
+
+    def query(
+        self,
+        *,
+        device: DeviceInfo | str | None = None,
+        build_hash: str | None = None,
+        head_dim: int | None = None,
+        dtype: str | None = None,
+        out_dtype: str | None = None,
+        stats_format: str | None = None,
+        num_splits: int | None = None,
+        rows: int | None = None,
+    ) -> list[TuningRecord]:
+        """Records matching every filter given, in key order.
+
+        ``device`` is a :class:`DeviceInfo` (exact) or a string matched
+        case-insensitively against part of the device name; ``dtype`` filters
+        the partials' dtype.
+        """
+        r = TuningResult
+        conditions = [
+            col == value
+            for col, value in (
+                (KernelBuild.build_hash, build_hash),
+                (r.head_dim, head_dim),
+                (r.partial_dtype, dtype),
+                (r.out_dtype, out_dtype),
+                (r.stats_format, stats_format),
+                (r.num_splits, num_splits),
+                (r.rows, rows),
+            )
+            if value is not None
+        ]
+        if device is not None:
+            conditions.extend(device_is(device))
+
+        def work(session: Session) -> list[TuningRecord]:
+            stmt = (
+                select(r)
+                .join(r.device)
+                .join(r.build)
+                .where(*conditions)
+                .order_by(
+                    Device.name,
+                    Device.sm_count,
+                    KernelBuild.build_hash,
+                    r.head_dim,
+                    r.partial_dtype,
+                    r.out_dtype,
+                    r.stats_format,
+                    r.num_splits,
+                    r.rows,
+                )
+            )
+            return [TuningRecord.model_validate(row) for row in session.scalars(stmt).unique()]
+
+        return self._run(work, write=False)
+
+    def stats(self, current_build: str | None = None) -> StoreStats:
+        """Keys per device, mean speed-up of the winner over kv_split=1, times, stale builds.
+
+        A build is stale if its hash differs from ``current_build``; when that is
+        ``None``, every build but the one with the most recently updated result.
+        """
+
+        def work(session: Session) -> StoreStats:
+            records = [TuningRecord.model_validate(row) for row in session.scalars(select(TuningResult)).unique()]
+            builds = {b.id: b for b in session.scalars(select(KernelBuild))}
+            stale = {builds[i].build_hash for i in stale_build_ids(session, current_build)}
+            versions = {b.build_hash: b.library_version for b in builds.values()}
+            return summarize(self.url, records, versions, stale, current_build)
+
+        return self._run(work, write=False)
+
+    # -- pruning ------------------------------------------------------------
+
+    def prune(
+        self,
+        *,
+        stale_builds: bool = False,
+        current_build: str | None = None,
+        other_devices_than: DeviceInfo | str | None = None,
+        older_than: timedelta | None = None,
+        dry_run: bool = False,
+    ) -> PruneResult:
+        """Delete results matching any criterion given; devices and builds left empty go too.
+
+        Parameters
+        ----------
+        stale_builds : bool
+            Results of stale builds (see :meth:`stats` for ``current_build``).
+        other_devices_than : DeviceInfo or str, optional
+            Results of every device but this one (a string matches part of the
+            name, and must match at least one device).
+        older_than : timedelta, optional
+            Results last updated longer ago than this.
+        dry_run : bool
+            Only report what would be deleted.
+
+        Raises
+        ------
+        ValueError
+            ``other_devices_than`` is a string that matches no device.
+        """
+        if not (stale_builds or other_devices_than is not None or older_than is not None):
+            return PruneResult(keys=[], dry_run=dry_run)
+        cutoff = _now() - older_than if older_than is not None else None
+
+        def work(session: Session) -> PruneResult:
+            keys = prune_results(
+                session,
+                stale_builds=stale_builds,
+                current_build=current_build,
+                other_devices_than=other_devices_than,
+                cutoff=cutoff,
+                dry_run=dry_run,
+            )
+            return PruneResult(keys=keys, dry_run=dry_run)
+
+        return self._run(work, write=not dry_run)
+
+    # -- exchange -----------------------------------------------------------
+
+    def export_records(self, **filters: object) -> ExportFile:
+        """An :class:`ExportFile` of the records matching ``filters`` (as :meth:`query`)."""
+        return make_export(self.query(**filters))
+
+    def import_records(
+        self,
+        source: ExportFile | list[TuningRecord] | str | bytes | Path,
+        *,
+        rule: ImportRule = "newer",
+        dry_run: bool = False,
+    ) -> ImportSummary:
+        """Merge records into the store, all or nothing.
+
+        The whole input is validated before the first write (see
+        :func:`kvsplit.db.parse_export`), and all writes share one transaction.
+
+        Parameters
+        ----------
+        source : ExportFile, list of TuningRecord, JSON text or path
+        rule : {"newer", "replace", "keep"}
+            For a key already stored: ``"newer"`` replaces it only if the
+            incoming ``updated_at`` is strictly later (a tie, or an incoming
+            record without ``updated_at``, keeps the stored one);
+            ``"replace"`` always replaces; ``"keep"`` never does.  Keys not
+            yet stored are always inserted.  Timestamps are kept as imported.
+        dry_run : bool
+            Count what would happen; write nothing.
+
+        Raises
+        ------
+        InvalidExportError
+            The input failed validation; nothing was written.
+        """
+        if isinstance(source, ExportFile):
+            records = source.records
+        elif isinstance(source, list):
+            # Round-trip through validation so hand-built lists get the same checks.
+            records = parse_export(make_export(source).model_dump_json()).records
+        else:
+            records = parse_export(source).records
+
+        def work(session: Session) -> ImportSummary:
+            counts = merge_records(session, records, rule=rule, dry_run=dry_run, now=_now())
+            return ImportSummary(rule=rule, dry_run=dry_run, **counts)
+
+        return self._run(work, write=not dry_run)

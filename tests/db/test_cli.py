@@ -1,0 +1,233 @@
+"""``kvsplit db ...`` through click's CliRunner: tables, JSON, files, exit codes."""
+
+from __future__ import annotations
+
+import json
+import struct
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from dbtestlib import A100, make_record
+from kvsplit.db import open_store
+from kvsplit.db.cli import db
+from kvsplit.db.engine import create_db_engine
+from kvsplit.db.migrate import VERSION_TABLE
+
+
+@pytest.fixture
+def filled(db_url):
+    """The database URL, holding 2 devices x 2 builds x a small (num_splits, rows) grid."""
+    now = datetime.now(timezone.utc)
+    records = [
+        make_record(num_splits=n, rows=r, winner=w, updated_at=now - timedelta(days=age), build_hash=b)
+        for b, age in [("build-a", 40), ("build-b", 1)]
+        for n, r, w in [(4, 1, 4), (4, 512, 2), (64, 1, 16), (64, 512, 8), (64, 65536, 1)]
+    ]
+    records.append(make_record(device=A100, winner=2, updated_at=now, build_hash="build-b"))
+    with open_store(db_url) as store:
+        store.import_records(records)
+    return db_url
+
+
+def run(*args: str, input: str | None = None) -> SimpleNamespace:
+    """Invoke ``kvsplit db ARGS``; stdout and stderr apart, ``output`` both (on click 8.1 and 8.2+)."""
+    try:
+        runner = CliRunner(mix_stderr=False)  # click < 8.2 mixes them by default
+    except TypeError:
+        runner = CliRunner()  # click >= 8.2 always keeps them apart
+    result = runner.invoke(db, list(args), input=input, catch_exceptions=False)
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output
+    return SimpleNamespace(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr, output=output)
+
+
+def test_list_table_and_filters(filled):
+    result = run("--db", filled, "list")
+    assert result.exit_code == 0
+    assert "11 tuning results" in result.stdout and "kvsplit(kv_split=16)" in result.stdout
+    assert "2.50x" in result.stdout and "NVIDIA A100" in result.stdout
+    filtered = run("--db", filled, "list", "--device", "a100", "--json")
+    rows = json.loads(filtered.stdout)
+    assert [r["key"]["device"]["name"] for r in rows] == [A100.name]
+    narrow = json.loads(
+        run(
+            "--db",
+            filled,
+            "list",
+            "--num-splits",
+            "64",
+            "--rows",
+            "1",
+            "--head-dim",
+            "512",
+            "--dtype",
+            "bfloat16",
+            "--json",
+        ).stdout
+    )
+    assert len(narrow) == 2 and {r["winner"]["params"]["kv_split"] for r in narrow} == {16}
+
+
+def test_list_reads_the_url_from_the_environment(filled, monkeypatch):
+    monkeypatch.setenv("KVSPLIT_DB", filled)
+    assert len(json.loads(run("list", "--json").stdout)) == 11
+
+
+def test_show_one_key_with_candidates(filled):
+    result = run("--db", filled, "show", "--build", "build-b", "--num-splits", "64", "--rows", "512")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "kvsplit(kv_split=8)" in out and "winner" in out and "candidates" in out
+    for k in (1, 2, 4, 8, 16):
+        assert f"kvsplit(kv_split={k})" in out
+    data = json.loads(run("--db", filled, "show", "--device", "a100", "--json").stdout)
+    assert data["winner"] == {"family": "kvsplit", "params": {"kv_split": 2}}
+    assert len(data["candidates"]) == 5
+
+
+def test_show_needs_exactly_one_match(filled):
+    none = run("--db", filled, "show", "--rows", "12345")
+    assert none.exit_code == 1 and "no tuning result matches" in none.output
+    many = run("--db", filled, "show", "--rows", "1")
+    assert many.exit_code == 2 and "4 tuning results match" in many.output
+
+
+def test_stats_table_and_json(filled):
+    result = run("--db", filled, "stats")
+    assert result.exit_code == 0
+    assert "11 tuning results" in result.stdout and "stale" in result.stdout
+    data = json.loads(run("--db", filled, "stats", "--json").stdout)
+    assert data["keys"] == 11
+    assert {d["device"]["name"]: d["keys"] for d in data["devices"]} == {"NVIDIA H200": 10, A100.name: 1}
+    # Speed-ups are 2.5 except the two kv_split=1 winners (1.0): mean (8 * 2.5 + 2 * 1) / 10.
+    h200 = next(d for d in data["devices"] if d["device"]["name"] == "NVIDIA H200")
+    assert h200["mean_speedup"] == pytest.approx(2.2)
+    assert {b["build_hash"]: b["stale"] for b in data["builds"]} == {"build-a": True, "build-b": False}
+    current = json.loads(run("--db", filled, "stats", "--current-build", "build-a", "--json").stdout)
+    assert {b["build_hash"]: b["stale"] for b in current["builds"]} == {"build-a": False, "build-b": True}
+
+
+def test_export_import_round_trip_through_files_and_stdout(filled, tmp_path):
+    path = tmp_path / "out.json"
+    result = run("--db", filled, "export", "--out", str(path), "--device", "h200")
+    assert result.exit_code == 0 and "exported 10 tuning results" in result.output
+    stdout_export = run("--db", filled, "export", "--device", "h200").stdout
+    assert json.loads(stdout_export)["records"] == json.loads(path.read_text())["records"]
+
+    target = f"sqlite:///{tmp_path / 'target.sqlite'}"
+    first = run("--db", target, "import", str(path), "--json")
+    assert first.exit_code == 0
+    assert json.loads(first.stdout) == {"rule": "newer", "inserted": 10, "replaced": 0, "kept": 0, "dry_run": False}
+    again = run("--db", target, "import", str(path))
+    assert "inserted 0, replaced 0, kept 10 existing (rule: newer)" in again.stdout
+    forced = json.loads(run("--db", target, "import", str(path), "--replace", "--json").stdout)
+    assert forced["replaced"] == 10
+    from_stdin = json.loads(run("--db", target, "import", "-", "--keep", "--json", input=stdout_export).stdout)
+    assert from_stdin["kept"] == 10
+    assert run("--db", target, "import", str(path), "--keep", "--replace").exit_code == 2
+
+
+def test_invalid_import_exits_2_and_writes_nothing(filled, tmp_path):
+    doc = json.loads(run("--db", filled, "export").stdout)
+    doc["records"][3]["winner"]["params"]["kv_split"] = 3
+    doc["records"][5]["candidates"][0]["median_us"] = -1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    target = f"sqlite:///{tmp_path / 'target.sqlite'}"
+    result = run("--db", target, "import", str(bad))
+    assert result.exit_code == 2
+    assert "nothing was written" in result.output
+    assert "record 3: winner: kvsplit.kv_split=3 is not one of 1, 2, 4, 8, 16" in result.output
+    assert "record 5: candidates.0.median_us" in result.output
+    assert json.loads(run("--db", target, "list", "--json").stdout) == []
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json at all")
+    assert run("--db", target, "import", str(garbage)).exit_code == 2
+    assert run("--db", target, "import", str(tmp_path / "missing.json")).exit_code == 2
+
+
+def test_prune_dry_run_then_real(filled):
+    dry = run("--db", filled, "prune", "--older-than", "30d", "--dry-run")
+    assert dry.exit_code == 0 and "would delete 5 tuning results" in dry.stdout
+    assert len(json.loads(run("--db", filled, "list", "--json").stdout)) == 11
+    stale = json.loads(run("--db", filled, "prune", "--stale-builds", "--json").stdout)
+    assert stale["count"] == 5 and not stale["dry_run"]
+    assert {k["build_hash"] for k in stale["keys"]} == {"build-a"}
+    others = json.loads(run("--db", filled, "prune", "--other-devices-than", "H200", "--json").stdout)
+    assert others["count"] == 1
+    assert len(json.loads(run("--db", filled, "list", "--json").stdout)) == 5
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prune"],
+        ["prune", "--older-than", "soon"],
+        ["prune", "--current-build", "x"],
+        ["prune", "--other-devices-than", "B200"],
+        ["list", "--dtype", "int8"],
+        ["show", "--rows", "many"],
+    ],
+)
+def test_usage_errors_exit_2(filled, args):
+    result = run("--db", filled, *args)
+    assert result.exit_code == 2, result.output
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_writes_a_png(filled, tmp_path):
+    out = tmp_path / "plots" / "tuning.png"
+    result = run("--db", filled, "plot", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "3 groups, 11 results" in result.output
+    data = out.read_bytes()
+    width, height = _png_size(data)
+    assert len(data) > 20_000 and width >= 1000 and height >= 1000
+    assert data.endswith(b"IEND\xaeB`\x82")
+    missing = run("--db", filled, "plot", "--out", str(tmp_path / "none.png"), "--device", "B200")
+    assert missing.exit_code == 1 and not (tmp_path / "none.png").exists()
+
+
+def test_database_problems_exit_3_with_one_line(tmp_path):
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"\x00garbage" * 500)
+    cases = {
+        "nosuchdialect://x": "bad database URL",
+        str(garbage): "corrupt or not an SQLite database",
+        str(tmp_path / "missing-dir" / "t.sqlite"): "cannot open the database file",
+    }
+    for url, message in cases.items():
+        result = run("--db", url, "list")
+        assert result.exit_code == 3, (url, result.output)
+        assert message in result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
+def test_newer_schema_exits_3(db_url):
+    open_store(db_url).close()
+    engine = create_db_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = '0099'"))
+    engine.dispose()
+    result = run("--db", db_url, "stats")
+    assert result.exit_code == 3
+    assert "'0099'" in result.output and "upgrade kvsplit" in result.output
+
+
+def test_upgrade_warning_is_printed_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    from kvsplit.db.migrate import upgrade
+
+    engine = create_db_engine(url)
+    upgrade(engine, "0001")
+    engine.dispose()
+    result = run("--db", url, "list")
+    assert result.exit_code == 0
+    assert result.stderr.count("warning: kvsplit upgraded the tuning database") == 1

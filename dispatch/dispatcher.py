@@ -35,6 +35,7 @@ from . import pending as pending_keys
 __all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher", "pdl_enabled"]
 
 log = logging.getLogger("kvsplit.dispatch")
+_LIBRARY_DB_TIMEOUT_S = 5.0
 MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS)
 
 
@@ -194,7 +195,9 @@ class Dispatcher:
 
         with self._lock:
             if self._store is None or self._store_url != db_url:
-                self._store = open_store_for_library(db_url)
+                # A short busy timeout: a serving process must not stall for
+                # long behind another process's write lock.
+                self._store = open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
                 self._store_url = db_url
             return self._store
 

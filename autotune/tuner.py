@@ -53,7 +53,9 @@ class _Scratch:
     def __init__(self, key, device: torch.device, copies: int, seed: int = 0):
         from ..reference import random_partials
 
-        g = torch.Generator().manual_seed(seed)
+        # Made on the device itself: building large scratch sets on the host
+        # would dominate the first-use tuning time.
+        g = torch.Generator(device).manual_seed(seed)
         self.key = key
         self.sets = []
         for _ in range(copies):

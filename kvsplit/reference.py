@@ -105,20 +105,23 @@ def attention_partials(q, k, v, num_splits: int, *, stats_format: str = "maxsum"
 
 
 def random_partials(num_splits: int, rows: int, head_dim: int, *, stats_format: str = "maxsum",
-                    generator: torch.Generator | None = None, empty_fraction: float = 0.0):
+                    generator: torch.Generator | None = None, empty_fraction: float = 0.0,
+                    device: torch.device | str | None = None):
     """Random but self-consistent float32 partials: (partial_o, stats).
 
     maxsum: raw maxima ~ N(0, 2), sums in [1, 65), O_i = l_i * (a convex
     combination of unit values); lse: normalised O_i and lse ~ N(0, 2).
-    A fraction of (split, row) entries is made empty (-inf).
+    A fraction of (split, row) entries is made empty (-inf). ``device`` (that
+    of ``generator``, if given) is where the tensors are made.
     """
     g = generator
-    m = torch.randn(num_splits, rows, generator=g) * 2.0
+    at = {"generator": g, "device": g.device if g is not None else device}
+    m = torch.randn(num_splits, rows, **at) * 2.0
     if empty_fraction:
-        m = m.masked_fill(torch.rand(num_splits, rows, generator=g) < empty_fraction, -math.inf)
-    values = torch.randn(num_splits, rows, head_dim, generator=g)
+        m = m.masked_fill(torch.rand(num_splits, rows, **at) < empty_fraction, -math.inf)
+    values = torch.randn(num_splits, rows, head_dim, **at)
     if stats_format == "maxsum":
-        l = 1.0 + 64.0 * torch.rand(num_splits, rows, generator=g)
+        l = 1.0 + 64.0 * torch.rand(num_splits, rows, **at)
         l = l.masked_fill(m == -math.inf, 0.0)
         return values * l.unsqueeze(-1), torch.stack([m, l], dim=-1)
     return values, m

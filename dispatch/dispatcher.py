@@ -137,7 +137,8 @@ class Dispatcher:
                              num_splits=num_splits, sm_count=facts.sm_count if facts.is_cuda else None,
                              max_split=max_split)
 
-        capturing = facts.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = (facts.is_cuda and torch.cuda.is_available()
+                     and torch.cuda.is_current_stream_capturing())
         if forced:
             decision = Decision(constrained(forced), "forced")
         elif mode == "off":

@@ -1,0 +1,64 @@
+"""The tuned table shipped for the H200 loads, validates and feeds the dispatcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplit.dispatch import dispatcher as dispatch_module
+from kvsplit.dispatch.constraints import violations
+from kvsplit.dispatch.device import DeviceFacts
+
+H200 = DeviceFacts("NVIDIA H200", 9, 0, 132, True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_tables():
+    dispatch_module._SHIPPED.clear()
+    yield
+    dispatch_module._SHIPPED.clear()
+
+
+def test_h200_table_covers_the_benchmark_grid():
+    table = dispatch_module._shipped_table(H200)
+    for head_dim in (128, 512):
+        for fmt in ("maxsum", "lse"):
+            for dtype in ("bfloat16", "float16"):
+                for num_splits in (16, 32, 64, 192, 384):  # 132 and 264 bucketed
+                    for rows in (32, 64, 128, 256, 512, 2048):
+                        assert (head_dim, dtype, dtype, fmt, num_splits, rows) in table
+
+
+def test_h200_winners_satisfy_the_constraints_at_their_key():
+    table = dispatch_module._shipped_table(H200)
+    assert table
+    for (head_dim, dtype, _, _, num_splits, rows), config in table.items():
+        elem = torch.finfo(getattr(torch, dtype)).bits // 8
+        assert config.kv_split == 1 or not violations(
+            config.kv_split, head_dim=head_dim, elem_bytes=elem, rows=rows,
+            num_splits=num_splits, sm_count=132)
+
+
+def test_other_devices_get_nothing_from_the_h200_table():
+    other = DeviceFacts("NVIDIA H100 80GB HBM3", 9, 0, 132, True)
+    assert dispatch_module._shipped_table(other) == {}
+    assert dispatch_module._shipped_table(DeviceFacts("cpu: test", 0, 0, 2, False)) == {}
+
+
+def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
+    """A miss in the database falls back to the shipped winner, constrained by the call."""
+    monkeypatch.setenv("KVSPLIT_DB", f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    monkeypatch.setenv("KVSPLIT_MODE", "cached")
+    table = dispatch_module._shipped_table(H200)
+    key = (512, "bfloat16", "bfloat16", "maxsum", 192, 64)
+    assert table[key].kv_split == 8
+    fresh = dispatch_module.Dispatcher()
+    k = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
+                     132, 64, None)
+    decision = fresh.explain(H200, 512, torch.bfloat16, torch.bfloat16, 0, 132, 64)
+    assert (k, decision.source) == (8, "shipped")
+    # A cap still applies on top of the shipped choice.
+    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "2")
+    assert fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
+                        132, 64, None) == 2
+    fresh.forget()

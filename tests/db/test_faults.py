@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 from pathlib import Path
@@ -181,7 +182,9 @@ def _run_unprivileged(url: str) -> dict:
         if setpriv is None:
             pytest.skip("running as root without setpriv: cannot make a directory read-only for us")
         command = [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner", *command]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    # Run outside the source tree so that the installed kvsplit is imported.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ), cwd=tempfile.gettempdir())
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -46,7 +46,11 @@ def _devices(value: str | None) -> list:
     if not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device is visible; use --devices cpu", param_hint="--devices")
     count = torch.cuda.device_count()
-    indices = list(range(count)) if value == "all" else [int(v) for v in value.split(",")]
+    try:
+        indices = list(range(count)) if value == "all" else [int(v) for v in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected cpu, all, or CUDA indices like 0,1; got {value!r}",
+                                 param_hint="--devices") from None
     if any(i < 0 or i >= count for i in indices):
         raise click.BadParameter(f"this machine has CUDA devices 0..{count - 1}", param_hint="--devices")
     return [torch.device("cuda", i) for i in indices]
@@ -57,13 +61,19 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     import torch
 
     from ..db import TuningKey, open_store
+    from ..dispatch.device import device_facts
+    from ..dispatch.keys import device_info
     from .tuner import tune
 
     store = open_store(db_url)
     target = torch.device(device)
+    here = device_info(device_facts(target))
     for raw in keys:
         key = TuningKey.model_validate_json(raw)
         try:
+            if key.device != here:  # timings from this device must not go under another's key
+                report(("skipped", raw, f"key is for {key.device.label}, not {here.label}"))
+                continue
             if not force and store.get(key) is not None:
                 report(("skipped", raw, None))
                 continue
@@ -118,15 +128,25 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
     build = _native.ext().build_hash
     work: dict[str, list[str]] = {str(d): [] for d in targets}
     if pending:
+        # Each pending key goes to a target of its own device model (others are skipped).
         keys = pending_keys.load()
+        labels = {str(t): device_facts(t).name for t in targets}
+        for i, key in enumerate(keys):
+            matching = [t for t, name in labels.items() if name[:128] == key.device.name]
+            work[(matching or list(labels))[i % len(matching or labels)]].append(
+                key.model_dump_json())
     else:
-        facts = device_facts(targets[0])
-        keys = list(dict.fromkeys(
-            tuning_key(facts, build, d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
-            for d in head_dims for dtype in dtypes for fmt in formats
+        # Grid keys are spread over the targets, each keyed by the device that tunes it.
+        shapes = list(dict.fromkeys(
+            (d, dtype, fmt, n, r) for d in head_dims for dtype in dtypes for fmt in formats
             for n in num_splits for r in rows))
-    for i, key in enumerate(keys):
-        work[str(targets[i % len(targets)])].append(key.model_dump_json())
+        keys = []
+        for i, (d, dtype, fmt, n, r) in enumerate(shapes):
+            target = targets[i % len(targets)]
+            key = tuning_key(device_facts(target), build, d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
+            if key not in keys:
+                keys.append(key)
+                work[str(target)].append(key.model_dump_json())
 
     outcomes: list[tuple] = []
     started = time.perf_counter()

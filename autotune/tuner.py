@@ -68,12 +68,13 @@ class _Scratch:
         from .. import merge
 
         o, stats, out = self.sets[index % len(self.sets)]
+        # exact=True: measure the K that is recorded, whatever KVSPLIT_* says.
         if self.key.stats_format == "maxsum":
             merge._launch(merge.MAXSUM, o, stats, None, None, out, None, 1.0, merge._LN2,
-                          candidate.kv_split, True)
+                          candidate.kv_split, fresh_out=True, exact=True)
         else:
             merge._launch(merge.LSE, o, stats, None, None, out, None, 1.0, 1.0,
-                          candidate.kv_split, True)
+                          candidate.kv_split, fresh_out=True, exact=True)
         return out
 
 

@@ -172,9 +172,9 @@ class Dispatcher:
         if capturing:
             pending_keys.add(key)
             return Decision(constrained(heuristic(num_splits)), "capture", key)
-        return self._tune(facts, device, key, max_split, db_url, constrained)
+        return self._tune(facts, device, key, db_url, constrained)
 
-    def _tune(self, facts, device, key, max_split, db_url, constrained) -> Decision:
+    def _tune(self, facts, device, key, db_url, constrained) -> Decision:
         from ..autotune.tuner import tune
 
         with self._lock:
@@ -184,7 +184,9 @@ class Dispatcher:
             stored = table.get(key.choice_key)
             if stored is not None:
                 return Decision(constrained(stored.kv_split), "database", key)
-            record = tune(key, device, max_split=max_split)
+            # Tuned without the caller's cap: the record goes to a shared
+            # database; the cap applies to this call through constrained().
+            record = tune(key, device)
             table[key.choice_key] = record.winner
             self._open_store(db_url).upsert(record)
             pending_keys.discard(key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from . import __version__, _native
 
 
@@ -22,4 +24,12 @@ def collect() -> dict[str, str]:
                            f"{props.multi_processor_count} SMs)")
     else:
         facts["device"] = "cpu (no CUDA device visible)"
+    from .db import resolve_url
+    from .db.engine import display_url
+
+    environ = os.environ
+    facts["database"] = display_url(resolve_url(environ.get("KVSPLIT_DB")))
+    facts["mode"] = environ.get("KVSPLIT_MODE") or "auto"
+    facts["max kv_split"] = environ.get("KVSPLIT_MAX_SPLIT") or "-"
+    facts["pdl"] = "on" if environ.get("KVSPLIT_PDL") == "1" else "off"
     return facts

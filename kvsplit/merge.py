@@ -155,7 +155,10 @@ def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> No
 
 
 def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_stats,
-            log2_scale: float, export_scale: float, kv_split: int, fresh_out: bool = False) -> None:
+            log2_scale: float, export_scale: float, kv_split: int, fresh_out: bool = False,
+            exact: bool = False) -> None:
+    """Validates addresses, chooses K (``exact``: run ``kv_split`` as given, for the
+    tuner, whose candidates already satisfy the constraints) and launches."""
     _check_alignment(partial_o, stats, out)
     if not fresh_out:  # outputs allocated by the wrapper cannot alias anything
         _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats)
@@ -163,8 +166,9 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
     if rows == 0:
         return
     facts = device_facts(partial_o.device)
-    k = dispatcher.choose(facts, partial_o.device, head_dim, partial_o.dtype, out.dtype,
-                          stats_format, num_splits, rows, kv_split or None)
+    k = kv_split if exact else dispatcher.choose(
+        facts, partial_o.device, head_dim, partial_o.dtype, out.dtype, stats_format,
+        num_splits, rows, kv_split or None)
     args = (
         partial_o.data_ptr(), stats.data_ptr(),
         split_counts.data_ptr() if split_counts is not None else 0,

@@ -1,0 +1,56 @@
+"""autotune/timing.py: summaries in microseconds and the host clock used on the CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvsplit.autotune.timing import Timing, summarize, time_cuda_graph, time_host
+
+
+def test_summarize_one_sample():
+    assert summarize([7.5]) == Timing(7.5, 7.5, 7.5, 1)
+
+
+def test_summarize_is_order_free_with_deciles_around_the_median():
+    samples = [float(v) for v in (9, 1, 5, 3, 7, 2, 8, 4, 6, 10, 11)]
+    timing = summarize(samples)
+    assert timing == summarize(sorted(samples))
+    assert timing.median_us == 6.0 and timing.samples == 11
+    assert 1.0 <= timing.p10_us < timing.median_us < timing.p90_us <= 11.0
+    assert timing.spread == pytest.approx((timing.p90_us - timing.p10_us) / 6.0)
+
+
+def test_spread_of_a_zero_median_is_zero():
+    assert Timing(0.0, 0.0, 0.0, 3).spread == 0.0
+
+
+def test_time_host_calls_launch_with_indices_and_reports_per_call_microseconds():
+    indices = []
+
+    def launch(i):
+        indices.append(i)
+        time.sleep(0.002)
+
+    timing = time_host(launch, batch=3, replays=4, warmup=2)
+    assert indices == [0, 1] + [0, 1, 2] * 4
+    assert timing.samples == 4
+    assert 2000.0 <= timing.p10_us <= timing.median_us <= timing.p90_us < 200_000.0
+
+
+@pytest.mark.gpu
+def test_time_cuda_graph_replays_a_captured_batch(cuda_device):
+    x = torch.zeros(1024, device=cuda_device)
+    indices = []
+
+    def launch(i):
+        indices.append(i)
+        x.add_(1.0)
+
+    timing = time_cuda_graph(launch, batch=4, replays=3, warmup=2)
+    torch.cuda.synchronize()
+    assert indices == [0, 1] + [0, 1, 2, 3]  # warm-up, then captured once
+    assert float(x[0]) == 2 + 4 * (1 + 3)  # the warm-up, one replay before timing, 3 timed
+    assert timing.samples == 3 and 0 < timing.median_us < 1e4

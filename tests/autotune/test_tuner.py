@@ -1,0 +1,262 @@
+"""autotune/tuner.py on the CPU: candidates, the winner rule, matching against K = 1 (SPEC 5).
+
+The CPU implementation runs the same group merge as the kernel, so tune()
+really profiles every K here; only the disqualification tests replace the
+clock (to make the corrupted candidate the fastest) and one scratch run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsplit import _native
+from kvsplit.autotune import tuner
+from kvsplit.autotune.timing import Timing
+from kvsplit.autotune.tuner import NOISE_MARGIN, Candidate, candidates, pick_winner, tune
+from kvsplit.db import DeviceInfo, KernelConfig, TuningKey, TuningRecord, open_store
+from kvsplit.db.transfer import tool_version
+from kvsplit.dispatch import dispatcher as dispatch_module
+from kvsplit.dispatch.device import device_facts
+from kvsplit.dispatch.keys import device_info
+
+SETTINGS = settings(max_examples=300, deadline=None, database=None)
+CPU = torch.device("cpu")
+KV_SPLITS = (1, 2, 4, 8, 16)
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@pytest.fixture(autouse=True)
+def plain_environment(monkeypatch, tmp_path):
+    """No KVSPLIT_* overrides (the scratch runs go through the dispatcher) and a private database."""
+    for name in ("KVSPLIT_MODE", "KVSPLIT_MAX_SPLIT", "KVSPLIT_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVSPLIT_DB", f"sqlite:///{tmp_path / 'tuning.sqlite'}")
+    monkeypatch.setenv("KVSPLIT_PENDING", str(tmp_path / "pending.jsonl"))
+    dispatch_module.dispatcher.forget()
+    yield
+    dispatch_module.dispatcher.forget()
+
+
+def cpu_key(head_dim=64, num_splits=16, rows=8, *, dtype="bfloat16", stats_format="maxsum"):
+    out_dtype = "bfloat16" if dtype == "float32" else dtype
+    return TuningKey(device=device_info(device_facts(CPU)), build_hash=_native.ext().build_hash,
+                     head_dim=head_dim, partial_dtype=dtype, out_dtype=out_dtype,
+                     stats_format=stats_format, num_splits=num_splits, rows=rows)
+
+
+def spec_valid(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split):
+    """SPEC 4's constraints, written out: K = 1 is always valid."""
+    if k == 1:
+        return True
+    group_bytes, row_bytes = (512 // k) * 16, head_dim * elem_bytes
+    if group_bytes < row_bytes or k > num_splits:
+        return False
+    if sm_count is not None and -(-rows // (group_bytes // row_bytes)) > 2 * sm_count:
+        return False
+    return max_split is None or k <= max_split
+
+
+# -- candidates -------------------------------------------------------------------------------
+
+@SETTINGS
+@given(head_dim=st.sampled_from([64, 128, 256, 512, 1024]),
+       dtype=st.sampled_from(sorted(ELEM_BYTES)), num_splits=st.integers(1, 2048),
+       rows=st.one_of(st.integers(1, 64), st.integers(1, 2_000_000)), sm_count=st.integers(1, 200),
+       is_cuda=st.booleans(), max_split=st.one_of(st.none(), st.integers(1, 32)))
+def test_candidates_are_exactly_the_valid_kv_splits(head_dim, dtype, num_splits, rows, sm_count,
+                                                    is_cuda, max_split):
+    key = TuningKey(device=DeviceInfo(name="GPU", cc_major=9, cc_minor=0, sm_count=sm_count),
+                    build_hash="b", head_dim=head_dim, partial_dtype=dtype, out_dtype="bfloat16",
+                    stats_format="maxsum", num_splits=num_splits, rows=rows)
+    found = candidates(key, max_split=max_split, is_cuda=is_cuda)
+    expected = [k for k in KV_SPLITS if spec_valid(
+        k, head_dim=head_dim, elem_bytes=ELEM_BYTES[dtype], rows=rows, num_splits=num_splits,
+        sm_count=sm_count if is_cuda else None, max_split=max_split)]
+    assert [c.kv_split for c in found] == expected
+    assert all(c.family == "kvsplit" and c.to_db() == KernelConfig.kvsplit(c.kv_split) for c in found)
+    assert len(set(found)) == len(found)  # hashable configs
+
+
+# -- the winner rule --------------------------------------------------------------------------
+
+def timings(**medians):
+    """{Candidate(K): Timing} from k1=..., k2=... medians in microseconds (spread +-5 %)."""
+    return {Candidate(int(name[1:])): Timing(m, 0.95 * m, 1.05 * m, 9) for name, m in medians.items()}
+
+
+@pytest.mark.parametrize("medians, margin, winner", [
+    (dict(k1=10.0, k2=8.0, k4=5.0, k8=6.0), 0.02, 4),      # fastest median
+    (dict(k1=10.0, k2=5.05, k4=5.0), 0.02, 2),              # 1 % slower, smaller: wins
+    (dict(k1=5.2, k2=5.09, k4=5.0), 0.02, 2),               # the smallest within the margin
+    (dict(k1=5.05, k2=5.04, k4=5.0), 0.02, 1),
+    (dict(k2=5.2, k4=5.0), 0.02, 4),                        # 4 % slower: loses
+    (dict(k2=5.2, k4=5.0), 0.05, 2),                        # ... unless the margin is wider
+    (dict(k1=5.0, k16=5.0), 0.0, 1),                        # a tie goes to the smaller K
+    (dict(k2=5.01, k16=5.0), 0.0, 16),                      # no margin: strictly the fastest
+    (dict(k1=5.0, k8=5.05), 0.02, 1),                       # a larger K never wins by the margin
+    (dict(k8=3.0), 0.02, 8),
+])
+def test_pick_winner(medians, margin, winner):
+    assert pick_winner(timings(**medians), margin) == Candidate(winner)
+
+
+def test_pick_winner_compares_medians_not_best_samples():
+    noisy_but_slow = Timing(5.0, 1.0, 9.0, 9)
+    steady = Timing(4.0, 3.9, 4.1, 9)
+    assert pick_winner({Candidate(1): noisy_but_slow, Candidate(2): steady}, 0.02) == Candidate(2)
+
+
+@SETTINGS
+@given(st.dictionaries(st.sampled_from(KV_SPLITS), st.floats(0.1, 1000.0), min_size=1),
+       st.floats(0.0, 0.2))
+def test_pick_winner_is_the_smallest_k_within_the_margin_of_the_fastest(medians, margin):
+    table = {Candidate(k): Timing(m, m, m, 1) for k, m in medians.items()}
+    winner = pick_winner(table, margin)
+    best = min(medians.values())
+    assert winner.kv_split in medians
+    assert medians[winner.kv_split] <= best * (1 + margin)
+    assert all(medians[k] > best * (1 + margin) for k in medians if k < winner.kv_split)
+
+
+# -- tune() on the CPU ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("stats_format", ["maxsum", "lse"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_tune_profiles_every_valid_kv_split(head_dim, stats_format, dtype, tmp_path):
+    key = cpu_key(head_dim, 16, 8, dtype=dtype, stats_format=stats_format)
+    record = tune(key, CPU, replays=5)
+    assert isinstance(record, TuningRecord) and record.key == key
+    measured = [c.config for c in record.candidates]
+    assert sorted(measured, key=lambda c: c.kv_split) == [c.to_db() for c in candidates(key, is_cuda=False)]
+    assert len(measured) == 5  # 1..16: the CPU has no grid budget
+    assert all(c.matched for c in record.candidates)
+    for c in record.candidates:
+        assert c.samples == 5 and 0 < c.p10_us <= c.median_us <= c.p90_us
+    assert record.winner in measured
+    assert record.policy.l2_state == "warm" and record.policy.noise_margin == NOISE_MARGIN
+    assert record.policy.repeats == 5
+    assert record.tool_version == tool_version()
+    assert record.speedup is not None and record.speedup >= 1.0
+    # The winner follows the rule from the recorded measurements.
+    recorded = {Candidate(c.config.kv_split): Timing(c.median_us, c.p10_us, c.p90_us, c.samples)
+                for c in record.candidates}
+    assert pick_winner(recorded, record.policy.noise_margin).to_db() == record.winner
+    # And the record is what the database accepts and gives back.
+    with open_store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        store.upsert(record)
+        back = store.get(key)
+    assert back.winner == record.winner and back.candidates == record.candidates
+
+
+def test_tune_records_its_policy_and_respects_max_split():
+    key = cpu_key(128, 32, 16)
+    record = tune(key, CPU, l2_state="cold", noise_margin=0.1, max_split=4, replays=3)
+    assert [c.config.kv_split for c in record.candidates] == [1, 2, 4]
+    assert record.policy.l2_state == "cold" and record.policy.noise_margin == 0.1
+    assert record.policy.repeats == 3
+    assert record.winner.kv_split in (1, 2, 4)
+
+
+def test_tune_measures_the_kv_split_it_records_whatever_the_environment(monkeypatch):
+    """The scratch runs must run the K being measured.
+
+    KVSPLIT_MAX_SPLIT, left set in the shell of ``kvsplit tune``, caps what the
+    dispatcher hands to callers; were the tuner's runs capped too, every
+    candidate would run as K = 1 while the record says K = 2, 4, 8, 16 were
+    measured. The spy sits on the kernel entry point, below any dispatch.
+    """
+    ext = _native.ext()
+    ran: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def merge_cpu(self, *args):
+            ran.append(args[-1])  # kv_split is the last argument
+            return ext.merge_cpu(*args)
+
+    monkeypatch.setattr(_native, "ext", lambda: Spy())
+    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "1")
+    record = tune(cpu_key(64, 16, 8), CPU, replays=3)
+    recorded = {c.config.kv_split for c in record.candidates}
+    assert recorded == {1, 2, 4, 8, 16}
+    assert set(ran) == recorded, f"ran {sorted(set(ran))}, recorded {sorted(recorded)}"
+
+
+# -- disqualification -------------------------------------------------------------------------
+
+FAKE_MEDIANS = {1: 10.0, 2: 9.0, 4: 1.0, 8: 8.0, 16: 7.0}  # K = 4 is by far the fastest
+
+
+@pytest.fixture
+def rigged(monkeypatch):
+    """Clock replaced by FAKE_MEDIANS; ``rigged.corrupt[K] = fn`` spoils K's output in place."""
+    state = threading.local()
+    corrupt: dict = {}
+    real_run = tuner._Scratch.run
+
+    def run(self, candidate, index=0):
+        out = real_run(self, candidate, index)
+        state.last = candidate.kv_split
+        if candidate.kv_split in corrupt:
+            corrupt[candidate.kv_split](out)
+        return out
+
+    def fake_clock(launch, **kwargs):
+        launch(0)
+        median = FAKE_MEDIANS[state.last]
+        return Timing(median, 0.9 * median, 1.1 * median, 9)
+
+    monkeypatch.setattr(tuner._Scratch, "run", run)
+    monkeypatch.setattr(tuner, "time_host", fake_clock)
+    return corrupt
+
+
+def test_rigged_clock_makes_kv_split_4_win(rigged):
+    record = tune(cpu_key(64, 16, 8), CPU)
+    assert record.winner == KernelConfig.kvsplit(4)
+    assert all(c.matched for c in record.candidates)
+
+
+CORRUPTIONS = {
+    "scaled": lambda out: out.mul_(1.05),
+    "one row zeroed": lambda out: out[0].zero_(),
+    "nan": lambda out: out[1, 3].fill_(math.nan),
+    "inf": lambda out: out[2].fill_(math.inf),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("stats_format", ["maxsum", "lse"])
+def test_a_candidate_that_disagrees_with_k1_is_disqualified_and_logged(rigged, caplog, tmp_path,
+                                                                      corruption, stats_format):
+    rigged[4] = CORRUPTIONS[corruption]
+    key = cpu_key(64, 16, 8, stats_format=stats_format)
+    with caplog.at_level(logging.WARNING, logger="kvsplit.autotune"):
+        record = tune(key, CPU)
+    assert record.winner == KernelConfig.kvsplit(16)  # the fastest that matched
+    matched = {c.config.kv_split: c.matched for c in record.candidates}
+    assert matched == {1: True, 2: True, 4: False, 8: True, 16: True}
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "kv_split=4" in warnings[0].getMessage() and "disqualified" in warnings[0].getMessage()
+    with open_store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        store.upsert(record)
+        assert store.get(key).candidate(KernelConfig.kvsplit(4)).matched is False
+
+
+def test_when_every_k_above_1_disagrees_k1_wins(rigged):
+    for k in (2, 4, 8, 16):
+        rigged[k] = CORRUPTIONS["scaled"]
+    record = tune(cpu_key(64, 16, 8), CPU)
+    assert record.winner == KernelConfig.kvsplit(1)
+    assert [c.config.kv_split for c in record.candidates if c.matched] == [1]

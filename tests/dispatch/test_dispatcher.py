@@ -1,0 +1,372 @@
+"""dispatch/dispatcher.py through kvsplit.merge_maxsum on the CPU (SPEC sections 4 and 5).
+
+Order of the slow path: forced K -> KVSPLIT_MODE -> tuning database ->
+shipped tables -> tune at first use (``auto``) or the heuristic (``cached``);
+the constraints have the last word whatever the source. After the first call
+of a shape, a call is one dictionary lookup.
+
+Every test runs on an empty database of its own (``isolated``); ``call`` runs
+one merge, checks it against the float64 reference and returns the K the
+kernel ran with and the dispatcher's Decision. On the CPU the constraints are
+(a) the cap, (b) a group of 512 / K threads holds a row, (d) K <= num_splits.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import kvsplit
+from kvsplit.autotune import tuner
+from kvsplit.db import DbWarning, DeviceInfo, dump_export, make_export, open_store
+from kvsplit.dispatch import dispatcher as dispatch_module
+from kvsplit.dispatch import pending
+from kvsplit.dispatch.constraints import KV_SPLITS, constrain, valid_kv_splits
+from kvsplit.dispatch.device import DeviceFacts, device_facts
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+CPU_FACTS = device_facts(torch.device("cpu"))
+
+
+def spec_heuristic(num_splits: int) -> int:
+    """dispatcher.heuristic's documented rule: about one batch of 4 partials per group."""
+    return max(k for k in KV_SPLITS if k <= max(1, num_splits // 4))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 65, 1024])
+def test_heuristic_gives_each_group_about_four_partials(num_splits):
+    assert dispatch_module.heuristic(num_splits) == spec_heuristic(num_splits)
+
+
+# -- modes ------------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("no_tuning")
+def test_mode_off_runs_kv_split_1(monkeypatch, call):
+    monkeypatch.setenv("KVSPLIT_MODE", "off")
+    k, decision = call(num_splits=32, rows=8)
+    assert k == 1 and decision.kv_split == 1 and decision.source == "mode"
+
+
+@pytest.mark.usefixtures("no_tuning")
+@pytest.mark.parametrize("mode", ["1", "2", "4", "8", "16"])
+def test_fixed_mode_runs_that_kv_split(monkeypatch, call, mode):
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
+    k, decision = call(num_splits=32, rows=8)
+    assert k == int(mode) and decision.source == "mode"
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_fixed_mode_is_still_constrained(monkeypatch, call, merge_kit):
+    monkeypatch.setenv("KVSPLIT_MODE", "16")
+    assert call(num_splits=4, rows=8)[0] == 4  # (d) K <= num_splits
+    k, _ = call(head_dim=512, num_splits=32, rows=8)  # (b) 32 threads cannot hold 1 KiB
+    assert k == merge_kit.expected_kv_split(16, head_dim=512, elem_bytes=2, rows=8, num_splits=32) == 8
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_cached_mode_miss_uses_the_heuristic_and_stores_nothing(monkeypatch, call, isolated, keys):
+    monkeypatch.setenv("KVSPLIT_MODE", "cached")
+    k, decision = call(num_splits=20, rows=8)
+    assert decision.source == "heuristic"
+    assert k == decision.kv_split == spec_heuristic(20) == 4
+    # A heuristic that the constraints cut down: head_dim 512 bf16 holds K <= 8.
+    assert call(head_dim=512, num_splits=64, rows=8)[0] == 8
+    with open_store(isolated.url) as store:
+        assert store.query() == []
+        assert store.get(keys.key_for(64, 20, 8)) is None
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_cached_mode_uses_a_stored_choice(monkeypatch, call, isolated, keys):
+    keys.store_winner(isolated.url, keys.key_for(64, 20, 8), 2)
+    monkeypatch.setenv("KVSPLIT_MODE", "cached")
+    k, decision = call(num_splits=20, rows=8)
+    assert (k, decision.source) == (2, "database")  # the heuristic would say 4
+
+
+def test_auto_tunes_once_then_a_call_is_a_dictionary_hit(monkeypatch, call, tuner_calls, isolated,
+                                                          keys):
+    k, decision = call(num_splits=16, rows=8)
+    assert decision.source == "tuned" and len(tuner_calls.keys) == 1
+    key = keys.key_for(64, 16, 8)
+    assert tuner_calls.keys == [key] and decision.key == key
+    record = decision.record
+    assert record.key == key and k == record.winner.kv_split
+    with open_store(isolated.url) as store:
+        assert store.get(key).winner == record.winner  # stored for other processes
+
+    # From now on: no tuning, no slow path, no database.
+    def broken(*args, **kwargs):
+        raise AssertionError("the second call of a shape must be a dictionary lookup")
+
+    the_dispatcher = dispatch_module.dispatcher
+    for name in ("_slow", "_lookup", "_tune", "_table", "_open_store"):
+        monkeypatch.setattr(the_dispatcher, name, broken)
+    monkeypatch.setattr(the_dispatcher, "_store", None)
+    monkeypatch.setattr(tuner, "tune", broken)
+    monkeypatch.setattr("kvsplit.db.open_store_for_library", broken)
+    again, decision_again = call(num_splits=16, rows=8, seed=1)
+    assert again == k
+    assert decision_again.source == "tuned" and decision_again.record == record
+    assert len(tuner_calls.keys) == 1
+
+
+def test_invalid_mode_is_a_value_error_naming_the_variable(monkeypatch, merge_kit):
+    gen = merge_kit.generator("bad mode")
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)
+    out = torch.full((4, 64), 7.0, dtype=torch.bfloat16)
+    for bad in ("fast", "3", "32", "0", "-1", "AUTO", " auto"):
+        monkeypatch.setenv("KVSPLIT_MODE", bad)
+        with pytest.raises(ValueError, match="KVSPLIT_MODE"):
+            kvsplit.merge_maxsum(partial_o, stats, 1.0, out=out)
+        assert (out == 7.0).all(), "nothing may be written before the error"
+
+
+def test_invalid_max_split_is_a_value_error_naming_the_variable(monkeypatch, merge_kit):
+    gen = merge_kit.generator("bad max split")
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)
+    for bad in ("two", "1.5", "4x"):
+        monkeypatch.setenv("KVSPLIT_MAX_SPLIT", bad)
+        with pytest.raises(ValueError, match="KVSPLIT_MAX_SPLIT"):
+            kvsplit.merge_maxsum(partial_o, stats, 1.0, kv_split=4)
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_max_split_caps_forced_mode_and_stored_choices(monkeypatch, call, isolated, keys):
+    keys.store_winner(isolated.url, keys.key_for(64, 32, 8), 16)
+    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "2")
+    assert call(num_splits=32, rows=8, kv_split=16)[0] == 2
+    k, decision = call(num_splits=32, rows=8)
+    assert (k, decision.source) == (2, "database")
+    monkeypatch.setenv("KVSPLIT_MODE", "8")
+    assert call(num_splits=32, rows=8)[0] == 2
+    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "4")  # the cache follows the variable
+    assert call(num_splits=32, rows=8)[0] == 4
+    monkeypatch.delenv("KVSPLIT_MODE")
+    assert call(num_splits=32, rows=8)[0] == 4
+    monkeypatch.delenv("KVSPLIT_MAX_SPLIT")
+    assert call(num_splits=32, rows=8)[0] == 16
+
+
+def test_max_split_does_not_leak_into_the_shared_database(monkeypatch, call, isolated, keys):
+    """A per-process cap constrains this process's choice, not what is stored for the fleet.
+
+    A record tuned under KVSPLIT_MAX_SPLIT=1 must not become every later
+    process's answer for the key: the database must hold every valid K's
+    measurement (or nothing), and an uncapped process must be free to run K > 1.
+    """
+    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "1")
+    assert call(num_splits=32, rows=8)[0] == 1
+    key = keys.key_for(64, 32, 8)
+    valid = valid_kv_splits(head_dim=64, elem_bytes=2, rows=8, num_splits=32, sm_count=None)
+    with open_store(isolated.url) as store:
+        record = store.get(key)
+    if record is not None:
+        assert sorted(c.config.kv_split for c in record.candidates) == valid
+
+
+# -- choices from the database and the shipped tables are re-checked ---------------------------
+
+@pytest.mark.usefixtures("no_tuning")
+def test_a_tampered_database_value_is_constrained(call, isolated, keys, merge_kit):
+    # kv_split=16 at head_dim 512 bf16 breaks (b): 32 threads * 16 B < 1 KiB.
+    keys.store_winner(isolated.url, keys.key_for(512, 32, 8), 16)
+    k, decision = call(head_dim=512, num_splits=32, rows=8)
+    assert decision.source == "database"
+    assert k == decision.kv_split == merge_kit.expected_kv_split(
+        16, head_dim=512, elem_bytes=2, rows=8, num_splits=32) == 8
+
+
+@pytest.fixture
+def shipped_tables(monkeypatch, tmp_path):
+    """Points the dispatcher's shipped-table loader at ``tmp_path/tables`` (real JSON files)."""
+    import importlib.resources as resources
+
+    package = tmp_path / "package"
+    (package / "tables").mkdir(parents=True)
+    real_files = resources.files
+
+    def files(anchor):
+        return package if anchor == "kvsplit" else real_files(anchor)
+
+    monkeypatch.setattr(resources, "files", files)
+    monkeypatch.setattr(dispatch_module, "_SHIPPED", {})
+    return package / "tables"
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_a_tampered_shipped_table_is_constrained(call, keys, merge_kit, shipped_tables):
+    # A shipped table serves any kernel build of this device.
+    key = keys.key_for(512, 32, 8).model_copy(update={"build_hash": "shipped-elsewhere"})
+    (shipped_tables / "this-cpu.json").write_text(
+        dump_export(make_export([keys.stored_record(key, 16)])))
+    k, decision = call(head_dim=512, num_splits=32, rows=8)
+    assert decision.source == "shipped"
+    assert k == merge_kit.expected_kv_split(16, head_dim=512, elem_bytes=2, rows=8,
+                                            num_splits=32) == 8
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_the_database_wins_over_the_shipped_table(call, isolated, keys, shipped_tables):
+    key = keys.key_for(64, 16, 8)
+    (shipped_tables / "this-cpu.json").write_text(dump_export(make_export([keys.stored_record(key, 8)])))
+    keys.store_winner(isolated.url, key, 2)
+    assert call(num_splits=16, rows=8)[0] == 2
+
+
+def test_a_stored_choice_serves_a_new_dispatcher_without_tuning(call, tuner_calls, kernel_ks, keys):
+    k, decision = call(num_splits=20, rows=7)
+    assert decision.source == "tuned" and len(tuner_calls.keys) == 1
+    # A new process: a new Dispatcher, the same database.
+    fresh = dispatch_module.Dispatcher()
+    kernel_ks.use(fresh)
+    try:
+        again, _ = call(num_splits=20, rows=7, seed=1)
+        later = fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 20, 7)
+        assert (again, later.source, later.key) == (k, "database", keys.key_for(64, 20, 7))
+        # The same bucket (num_splits 20 -> 24, rows 7 -> 8) is the same key: no tuning.
+        _, same_bucket = call(num_splits=24, rows=8)
+        assert same_bucket is None  # it went through ``fresh``, not the module dispatcher
+        assert fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 24, 8).source == "database"
+        assert len(tuner_calls.keys) == 1
+        # Another bucket (rows 6) is another key: tuned.
+        call(num_splits=20, rows=6)
+        assert fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 20, 6).source == "tuned"
+        assert tuner_calls.keys[1:] == [keys.key_for(64, 20, 6)]
+    finally:
+        fresh.forget()
+
+
+def test_forget_rereads_the_database(call, tuner_calls):
+    k, _ = call(num_splits=16, rows=8)
+    dispatch_module.dispatcher.forget()
+    again, decision = call(num_splits=16, rows=8)
+    assert (again, decision.source) == (k, "database") and len(tuner_calls.keys) == 1
+
+
+def test_a_broken_database_warns_and_tuning_goes_on_in_memory(monkeypatch, call, tuner_calls, tmp_path):
+    garbage = tmp_path / "not-a-database.sqlite"
+    garbage.write_bytes(b"this is not an SQLite file" * 100)
+    monkeypatch.setenv("KVSPLIT_DB", f"sqlite:///{garbage}")
+    with pytest.warns(DbWarning):
+        k, decision = call(num_splits=16, rows=8)
+    assert decision.source == "tuned" and len(tuner_calls.keys) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert call(num_splits=16, rows=8)[0] == k
+
+
+# -- forced K -----------------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("no_tuning")
+@pytest.mark.parametrize("mode", [None, "auto", "cached", "off", "2", "16"])
+@pytest.mark.parametrize("forced", [1, 4, 16])
+def test_forced_kv_split_overrides_mode_and_database(monkeypatch, call, isolated, keys, mode, forced):
+    keys.store_winner(isolated.url, keys.key_for(64, 32, 8), 8)
+    if mode is not None:
+        monkeypatch.setenv("KVSPLIT_MODE", mode)
+    k, decision = call(num_splits=32, rows=8, kv_split=forced)
+    assert (k, decision.source) == (forced, "forced")
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_forced_kv_split_is_still_constrained(call, merge_kit):
+    assert call(num_splits=4, rows=8, kv_split=16)[0] == 4
+    assert call(head_dim=512, num_splits=32, rows=8, kv_split=16)[0] == 8
+    assert call(head_dim=512, dtype=torch.float32, num_splits=32, rows=8, kv_split=16)[0] == (
+        merge_kit.expected_kv_split(16, head_dim=512, elem_bytes=4, rows=8, num_splits=32)) == 4
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_changing_the_mode_between_calls_takes_effect(monkeypatch, call):
+    monkeypatch.setenv("KVSPLIT_MODE", "off")
+    assert call(num_splits=32, rows=8)[0] == 1
+    monkeypatch.setenv("KVSPLIT_MODE", "4")
+    assert call(num_splits=32, rows=8)[0] == 4
+    monkeypatch.setenv("KVSPLIT_MODE", "off")
+    assert call(num_splits=32, rows=8)[0] == 1
+
+
+# -- first use from many threads ------------------------------------------------------------------
+
+def test_first_use_from_many_threads_tunes_once(tuner_calls, merge_kit, kernel_ks, keys):
+    tuner_calls.delay = 0.3  # keep the others waiting while the first one profiles
+    threads_n = 8
+    start = threading.Barrier(threads_n)
+    results, errors = [None] * threads_n, []
+    head_dim, num_splits, rows = 128, 24, 16
+
+    def worker(i):
+        gen = merge_kit.generator("threads", i)
+        partial_o, stats = merge_kit.partials("maxsum", num_splits, rows, head_dim, torch.bfloat16, gen)
+        try:
+            start.wait()
+            out, out_stats = kvsplit.merge_maxsum(partial_o, stats, 0.5, return_stats=True)
+            results[i] = (out, out_stats, merge_kit.reference("maxsum", partial_o, stats, scale=0.5))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads_n)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in workers)
+    assert errors == []
+    assert tuner_calls.keys == [keys.key_for(head_dim, num_splits, rows)]
+    for out, out_stats, (ref_out, ref_stats) in results:
+        merge_kit.assert_matches_reference(out, out_stats, ref_out, ref_stats)
+    assert len(kernel_ks.ks) == threads_n and len(set(kernel_ks.ks)) == 1
+    decision = dispatch_module.dispatcher.explain(CPU_FACTS, head_dim, torch.bfloat16, torch.bfloat16,
+                                                  0, num_splits, rows)
+    assert decision.kv_split == kernel_ks.ks[0]
+    assert pending.load() == []
+
+
+# -- CUDA-graph capture, simulated (test_capture.py does it for real on a GPU) ----------------------
+
+def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monkeypatch, tuner_calls,
+                                                                          isolated, keys):
+    gpu = DeviceFacts("Simulated GPU", 9, 0, 132, True)
+    capturing = True  # a CUDA stream is capturing, as far as the dispatcher can tell
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capturing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(dispatch_module, "_SHIPPED", {gpu: {}})
+    the_dispatcher = dispatch_module.dispatcher
+    shape = (64, torch.bfloat16, torch.bfloat16, 0, 24, 48)
+    key = keys.key_for(64, 24, 48).model_copy(update={"device": DeviceInfo(
+        name="Simulated GPU", cc_major=9, cc_minor=0, sm_count=132)})
+    heuristic_k = constrain(spec_heuristic(24), head_dim=64, elem_bytes=2, rows=48, num_splits=24,
+                            sm_count=132)
+
+    for _ in range(2):  # met twice while capturing: recorded once
+        assert the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None) == heuristic_k == 4
+        assert tuner_calls.keys == []
+        assert the_dispatcher.explain(gpu, *shape) is None  # nothing cached
+        assert pending._keys == {key} and pending.load() == [key]
+    assert len(isolated.pending_path.read_text().splitlines()) == 1
+
+    capturing = False  # the next uncaptured call profiles the key and clears it from memory
+    k = the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None)
+    assert tuner_calls.keys == [key]
+    decision = the_dispatcher.explain(gpu, *shape)
+    assert (decision.source, decision.kv_split) == ("tuned", k)
+    assert pending._keys == set()
+
+
+def test_each_database_url_has_its_own_choices(monkeypatch, call, tuner_calls, isolated, tmp_path):
+    call(num_splits=16, rows=8)
+    assert len(tuner_calls.keys) == 1
+    monkeypatch.setenv("KVSPLIT_DB", f"sqlite:///{tmp_path / 'other.sqlite'}")
+    assert call(num_splits=16, rows=8)[1].source == "tuned"  # the other database is empty
+    assert len(tuner_calls.keys) == 2
+    monkeypatch.setenv("KVSPLIT_DB", isolated.url)
+    assert call(num_splits=16, rows=8)[1].source == "tuned"  # the first decision, still cached
+    assert len(tuner_calls.keys) == 2
+    for url in (isolated.url, f"sqlite:///{tmp_path / 'other.sqlite'}"):
+        with open_store(url) as store:
+            assert len(store.query()) == 1

@@ -1,0 +1,270 @@
+"""The ``kvsplit`` command (SPEC section 7): info, tune, and the CPU end-to-end demo.
+
+In process through click's CliRunner on ``kvsplit.cli.main``; the demo runs
+in subprocesses, since what it shows is that a second process reuses the
+first one's tuning. Every test has its own database and pending file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import kvsplit as library
+from kvsplit import _native
+from kvsplit.autotune import tuner
+from kvsplit.cli import main
+from kvsplit.db import DeviceInfo, open_store
+from kvsplit.db.engine import display_url
+from kvsplit.dispatch import dispatcher as dispatch_module
+from kvsplit.dispatch import pending
+from kvsplit.dispatch.device import device_facts
+from kvsplit.dispatch.keys import tuning_key
+from kvsplit.reference import random_partials
+
+GRID = ["--devices", "cpu", "--head-dim", "64", "--num-splits", "8,16", "--rows", "4,8"]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A private database and pending file, no KVSPLIT_* overrides, a dispatcher that forgot."""
+    url = f"sqlite:///{tmp_path / 'tuning.sqlite'}"
+    monkeypatch.setenv("KVSPLIT_DB", url)
+    monkeypatch.setenv("KVSPLIT_PENDING", str(tmp_path / "pending.jsonl"))
+    for name in ("KVSPLIT_MODE", "KVSPLIT_MAX_SPLIT", "KVSPLIT_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pending, "_keys", set())
+    dispatch_module.dispatcher.forget()
+    yield SimpleNamespace(url=url, tmp_path=tmp_path, pending_path=tmp_path / "pending.jsonl")
+    dispatch_module.dispatcher.forget()
+
+
+def kvsplit(*args: str, catch: bool = False) -> SimpleNamespace:
+    """Invoke ``kvsplit ARGS``; stdout and stderr apart (click 8.1 and 8.2+)."""
+    try:
+        runner = CliRunner(mix_stderr=False)
+    except TypeError:
+        runner = CliRunner()
+    result = runner.invoke(main, list(args), catch_exceptions=catch)
+    return SimpleNamespace(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
+                           output=result.stdout + result.stderr, exception=result.exception)
+
+
+def cpu_key(head_dim, num_splits, rows, *, stats_format="maxsum", dtype="bfloat16"):
+    return tuning_key(device_facts(torch.device("cpu")), _native.ext().build_hash, head_dim, dtype,
+                      dtype, stats_format, num_splits, rows)
+
+
+def stored(url):
+    with open_store(url) as store:
+        return store.query()
+
+
+# -- info -------------------------------------------------------------------------------------
+
+def expected_device() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return "cpu"
+
+
+def test_info_shows_build_hash_and_device(env):
+    result = kvsplit("info")
+    assert result.exit_code == 0, result.output
+    # "name  value" lines, names padded to one width.
+    lines = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1)
+                 for line in result.stdout.splitlines() if line.strip())
+    assert lines["build hash"] == _native.ext().build_hash
+    assert expected_device() in lines["device"]
+
+
+def test_info_json(env):
+    result = kvsplit("info", "--json")
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.stdout)
+    assert facts["build hash"] == _native.ext().build_hash
+    assert expected_device() in facts["device"]
+    assert facts["cuda kernels"] in ("yes", "no (CPU implementation only)")
+    assert facts["cuda kernels"].startswith("yes") == _native.has_cuda_kernels()
+
+
+def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
+    """SPEC 7: ``kvsplit info`` (device, compiled architectures, database, mode)."""
+    monkeypatch.setenv("KVSPLIT_MODE", "cached")
+    text = kvsplit("info").stdout
+    facts = json.dumps(json.loads(kvsplit("info", "--json").stdout))
+    for shown in (text, facts):
+        assert display_url(env.url) in shown or str(env.tmp_path / "tuning.sqlite") in shown
+        assert "cached" in shown
+
+
+# -- tune over a grid -------------------------------------------------------------------------
+
+def test_tune_grid_is_resumable_and_force_retunes(env):
+    first = kvsplit("tune", *GRID, "--json")
+    assert first.exit_code == 0, first.output
+    summary = json.loads(first.stdout)
+    assert (summary["keys"], summary["tuned"], summary["skipped"], summary["failed"]) == (4, 4, 0, 0)
+    assert sum(summary["winners"].values()) == 4
+    assert all(label.startswith("kvsplit(kv_split=") for label in summary["winners"])
+    assert summary["failures"] == [] and summary["seconds"] >= 0
+    assert summary["ms_per_tuned_key"] > 0 and summary["geomean_speedup_over_k1"] >= 1.0
+    records = stored(env.url)
+    assert {r.key for r in records} == {cpu_key(64, n, r) for n in (8, 16) for r in (4, 8)}
+    assert all(r.candidates and all(c.matched for c in r.candidates) for r in records)
+    first_times = {r.key: r.updated_at for r in records}
+
+    again = json.loads(kvsplit("tune", *GRID, "--json").stdout)
+    assert (again["keys"], again["tuned"], again["skipped"]) == (4, 0, 4)
+    assert again["winners"] == {} and again["ms_per_tuned_key"] is None
+    assert {r.key: r.updated_at for r in stored(env.url)} == first_times
+
+    forced = json.loads(kvsplit("tune", *GRID, "--force", "--json").stdout)
+    assert (forced["keys"], forced["tuned"], forced["skipped"]) == (4, 4, 0)
+    assert all(r.updated_at > first_times[r.key] for r in stored(env.url))
+
+
+def test_tune_table_for_people(env):
+    result = kvsplit("tune", *GRID)
+    assert result.exit_code == 0, result.output
+    for word in ("kvsplit tune", "keys", "tuned", "skipped", "winners", "speed-up over K=1"):
+        assert word in result.stdout
+
+
+def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
+    # 7 and 8 splits share bucket 8: one key, the one a call with 7 splits looks up.
+    summary = json.loads(kvsplit("tune", "--devices", "cpu", "--head-dim", "64",
+                                 "--num-splits", "7,8", "--rows", "3", "--json").stdout)
+    assert (summary["keys"], summary["tuned"]) == (1, 1)
+    assert [r.key for r in stored(env.url)] == [cpu_key(64, 8, 3)]
+
+    # A merge of a grid shape is a database hit: no profiling in the call.
+    def forbidden(*args, **kwargs):
+        raise AssertionError("tuned although kvsplit tune stored this key")
+
+    monkeypatch.setattr(tuner, "tune", forbidden)
+    partial_o, stats = random_partials(7, 3, 64, generator=torch.Generator().manual_seed(0))
+    library.merge_maxsum(partial_o.bfloat16(), stats, 1.0)
+    decision = dispatch_module.dispatcher.explain(device_facts(torch.device("cpu")), 64,
+                                                  torch.bfloat16, torch.bfloat16, 0, 7, 3)
+    assert decision.source == "database"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-splits", "8,x"], "--num-splits"),
+    (["--num-splits", "0"], "--num-splits"),
+    (["--rows", ""], "--rows"),
+    (["--rows", "-4"], "--rows"),
+    (["--head-dim", "sixty"], "--head-dim"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--format", "softmax"], "--format"),
+    (["--l2", "lukewarm"], "--l2"),
+])
+def test_tune_rejects_bad_options_with_a_clear_message(env, args, message):
+    result = kvsplit("tune", "--devices", "cpu", *args)
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+    assert stored(env.url) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("devices", ["cuda", "0", "all", "0,1"])
+def test_tune_on_cuda_devices_without_cuda_says_so(env, devices):
+    result = kvsplit("tune", "--devices", devices)
+    assert result.exit_code == 2
+    assert "--devices" in result.output and "no CUDA device" in result.output
+
+
+@pytest.mark.parametrize("devices", ["cuda", "gpu", "0,x", "3", "-1"])
+def test_tune_rejects_bad_devices_on_a_cuda_machine(env, monkeypatch, devices):
+    # One visible GPU (only the option parsing is reached: every value here is bad).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = kvsplit("tune", "--devices", devices, catch=True)
+    assert result.exit_code == 2, f"exit {result.exit_code}: {result.exception!r}"
+    assert "--devices" in result.output
+
+
+def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_path):
+    not_a_db = tmp_path / "garbage.sqlite"
+    not_a_db.write_bytes(b"definitely not sqlite" * 64)
+    result = kvsplit("tune", *GRID, "--db", f"sqlite:///{not_a_db}")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "garbage.sqlite" in result.output
+
+
+# -- tune --pending -----------------------------------------------------------------------------
+
+def test_tune_pending_tunes_the_pending_keys_and_clears_them(env):
+    keys = [cpu_key(64, 8, 4), cpu_key(128, 24, 12, stats_format="lse")]
+    for key in keys:
+        pending.add(key)
+    pending.add(keys[0])  # met again: written once
+    assert pending.load() == keys
+    summary = json.loads(kvsplit("tune", "--pending", "--devices", "cpu", "--json").stdout)
+    assert (summary["keys"], summary["tuned"], summary["failed"]) == (2, 2, 0)
+    assert sorted((r.key for r in stored(env.url)), key=lambda k: k.head_dim) == keys
+    assert pending.load() == []
+
+    nothing = json.loads(kvsplit("tune", "--pending", "--devices", "cpu", "--json").stdout)
+    assert (nothing["keys"], nothing["tuned"]) == (0, 0)
+
+
+def test_tune_pending_keeps_the_keys_that_failed(env):
+    good, bad = cpu_key(64, 8, 4), cpu_key(96, 8, 4)  # no kernel for head_dim 96
+    pending.add(good)
+    pending.add(bad)
+    result = kvsplit("tune", "--pending", "--devices", "cpu", "--json")
+    assert result.exit_code == 1
+    summary = json.loads(result.stdout)
+    assert (summary["tuned"], summary["failed"]) == (1, 1)
+    assert summary["failures"][0]["key"]["head_dim"] == 96 and "head_dim" in summary["failures"][0]["error"]
+    assert pending.load() == [bad]
+    assert [r.key for r in stored(env.url)] == [good]
+
+
+def test_tune_pending_does_not_store_another_devices_key_measured_here(env):
+    """A key met on an H200 and tuned with --devices cpu must not get CPU timings under the H200."""
+    h200 = cpu_key(64, 8, 4).model_copy(update={"device": DeviceInfo(
+        name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132)})
+    pending.add(h200)
+    kvsplit("tune", "--pending", "--devices", "cpu", "--json")
+    with open_store(env.url) as store:
+        assert store.get(h200) is None
+
+
+# -- the CPU end-to-end flow ---------------------------------------------------------------------
+
+def run_demo(env) -> subprocess.CompletedProcess:
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPLIT_")}
+    child_env.update(KVSPLIT_DB=env.url, KVSPLIT_PENDING=str(env.pending_path))
+    return subprocess.run([sys.executable, "-P", "-m", "kvsplit", "demo", "--device", "cpu"],
+                          env=child_env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_demo_tunes_once_then_a_new_process_reuses_the_stored_choice(env):
+    first = run_demo(env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "(tuned)" in first.stdout and "profiled every valid K" in first.stdout
+    assert f"stored in {display_url(env.url)}" in first.stdout
+    assert first.stdout.rstrip().endswith("OK")
+    records = stored(env.url)
+    assert len(records) == 1 and records[0].key.head_dim == 512
+
+    second = run_demo(env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "(database)" in second.stdout and "reused the stored choice" in second.stdout
+    assert "profiled" not in second.stdout and "stored in" not in second.stdout
+    assert second.stdout.rstrip().endswith("OK")
+    chosen = [line for line in second.stdout.splitlines() if line.startswith("chosen kv_split")]
+    assert chosen and f"= {records[0].winner.kv_split} " in chosen[0]
+    assert len(stored(env.url)) == 1

@@ -90,7 +90,7 @@ def pick_winner(timings: dict[Candidate, Timing], noise_margin: float) -> Candid
 
 
 def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: float = NOISE_MARGIN,
-         max_split: int | None = None, batch: int = 16, replays: int = 9) -> TuningRecord:
+         max_split: int | None = None, batch: int = 12, replays: int = 7) -> TuningRecord:
     """Profile every valid config for ``key`` on ``device``; return the record (not stored)."""
     is_cuda = device.type == "cuda"
     copies = 1

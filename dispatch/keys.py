@@ -1,12 +1,16 @@
 """Tuning keys and the bucketing policy for rows and num_splits.
 
-Policy: rows and num_splits are each rounded *up* to the nearest half-octave,
-i.e. the smallest value of the form 2^e or 3 * 2^(e-1) that is >= the value
-(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, ...). A bucket
-spans at most a factor 1.5, so the shapes that share a key share their grid
-size and merge depth to within that factor; the tuner profiles the bucket's
-own value (its upper end), and the constraints are always re-applied with the
-caller's exact shape.
+Policy:
+- rows are rounded *up* to the nearest half-octave, i.e. the smallest value
+  of the form 2^e or 3 * 2^(e-1) that is >= rows (1, 2, 3, 4, 6, 8, 12, 16,
+  24, 32, 48, 64, 96, 128, 192, 256, ...): a bucket spans at most a factor
+  1.5 of grid size;
+- num_splits up to 64 is rounded up to a multiple of 4 (one batch of the
+  kernel's 4-deep loads): there, one batch more or less per group decides
+  between neighbouring K (on an H200, half-octave buckets cost up to 6 % at
+  N = 20, tuned as 24); above 64 it takes half-octaves like rows.
+The tuner profiles the bucket's own value (its upper end), and the
+constraints are always re-applied with the caller's exact shape.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ def bucket(value: int) -> int:
     power = 1 << (value - 1).bit_length()  # smallest power of two >= value
     three_quarters = power * 3 // 4
     return three_quarters if value <= three_quarters else power
+
+
+def bucket_num_splits(value: int) -> int:
+    """num_splits bucket: a multiple of 4 up to 64, then half-octaves."""
+    return -(-max(value, 1) // 4) * 4 if value <= 64 else bucket(value)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -47,4 +56,4 @@ def tuning_key(facts: DeviceFacts, build_hash: str, head_dim: int, partial_dtype
 
     return TuningKey(device=device_info(facts), build_hash=build_hash, head_dim=head_dim,
                      partial_dtype=partial_dtype, out_dtype=out_dtype, stats_format=stats_format,
-                     num_splits=bucket(num_splits), rows=bucket(rows))
+                     num_splits=bucket_num_splits(num_splits), rows=bucket(rows))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvsplit.db import DeviceInfo, TuningKey
 from kvsplit.dispatch.device import DeviceFacts
-from kvsplit.dispatch.keys import bucket, device_info, dtype_name, tuning_key
+from kvsplit.dispatch.keys import bucket, bucket_num_splits, device_info, dtype_name, tuning_key
 
 SETTINGS = settings(max_examples=500, deadline=None, database=None)
 
@@ -91,13 +91,30 @@ def test_tuning_key_buckets_rows_and_num_splits_and_keeps_the_rest(
                                     cc_minor=facts.cc_minor, sm_count=facts.sm_count)
     assert (key.build_hash, key.head_dim, key.partial_dtype, key.out_dtype, key.stats_format) == (
         "build-1", head_dim, partial_dtype, out_dtype, stats_format)
-    assert key.num_splits == bucket(num_splits) and key.rows == bucket(rows)
-    assert key.choice_key == (head_dim, partial_dtype, out_dtype, stats_format, bucket(num_splits),
-                              bucket(rows))
+    assert key.num_splits == bucket_num_splits(num_splits) and key.rows == bucket(rows)
+    assert key.choice_key == (head_dim, partial_dtype, out_dtype, stats_format,
+                              bucket_num_splits(num_splits), bucket(rows))
     # Every shape of one bucket shares the key (and its hash, for dictionaries).
     top = tuning_key(facts, "build-1", head_dim, partial_dtype, out_dtype, stats_format,
-                     bucket(num_splits), bucket(rows))
+                     bucket_num_splits(num_splits), bucket(rows))
     assert top == key and hash(top) == hash(key)
+
+
+@pytest.mark.parametrize("value, expected", [(1, 4), (4, 4), (5, 8), (16, 16), (20, 20),
+                                             (21, 24), (63, 64), (64, 64), (65, 96), (100, 128),
+                                             (132, 192), (264, 384)])
+def test_num_splits_buckets(value, expected):
+    assert bucket_num_splits(value) == expected
+
+
+@SETTINGS
+@given(st.integers(1, 100_000))
+def test_num_splits_bucket_keeps_the_load_batches_up_to_64(value):
+    b = bucket_num_splits(value)
+    assert b >= value and bucket_num_splits(b) == b
+    if value <= 64:
+        # The same number of 4-deep load batches (at K = 1) as the exact shape.
+        assert -(-b // 4) == -(-value // 4) and b - value < 4
 
 
 def test_shapes_in_different_buckets_get_different_keys():

@@ -14,6 +14,12 @@ from rich.table import Table
 from .schemas import BASELINE, ImportSummary, PruneResult, StoreStats, TuningRecord
 
 
+
+def _key_cells(k) -> tuple[str, ...]:
+    """A tuning key as table cells: device, build, D, dtypes, stats, num_splits, rows."""
+    return (k.device.label, k.build_hash[:12], str(k.head_dim),
+            f"{k.partial_dtype}->{k.out_dtype}", k.stats_format, str(k.num_splits), str(k.rows))
+
 def console() -> Console:
     # Wide when piped, so tables don't wrap in logs and captured output.
     return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
@@ -49,13 +55,7 @@ def records_table(records: list[TuningRecord]) -> Table:
     for r in records:
         k = r.key
         table.add_row(
-            k.device.label,
-            k.build_hash[:12],
-            str(k.head_dim),
-            f"{k.partial_dtype}->{k.out_dtype}",
-            k.stats_format,
-            str(k.num_splits),
-            str(k.rows),
+            *_key_cells(k),
             r.winner.label,
             _x(r.speedup),
             _when(r.updated_at),
@@ -125,15 +125,7 @@ def show_prune(out: Console, result: PruneResult) -> None:
         for name in ("device", "build", "D", "dtype", "stats", "num_splits", "rows"):
             table.add_column(name)
         for k in result.keys:
-            table.add_row(
-                k.device.label,
-                k.build_hash[:12],
-                str(k.head_dim),
-                f"{k.partial_dtype}->{k.out_dtype}",
-                k.stats_format,
-                str(k.num_splits),
-                str(k.rows),
-            )
+            table.add_row(*_key_cells(k))
         out.print(table)
 
 

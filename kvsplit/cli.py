@@ -39,7 +39,7 @@ def info(as_json: bool) -> None:
 @click.option("--device", default=None, help="cuda or cpu [default: cuda when available].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random attention problem.")
 def demo(device: str | None, seed: int) -> None:
-    """Merge the partials of a real decode attention problem and check the result."""
+    """Merge a real decode step with kv_split=None: tune at first use, store, reuse; check the result."""
     from .demo import run
 
     raise SystemExit(run(device, seed))

@@ -1,10 +1,14 @@
 """Profiles every valid config for one tuning key and picks the winner.
 
 Scratch tensors of the key's shape are made on the target device (never the
-caller's tensors). Every candidate's output is compared with kv_split = 1;
-a mismatch disqualifies it (and is logged). Times come from CUDA-graph replay
-on GPUs and from a host clock on the CPU. The winner is the fastest median,
-except that a smaller kv_split within ``noise_margin`` of it wins instead.
+caller's tensors). A candidate is a :class:`Config` of either kernel family
+(on the CPU only KvSplit: DSplit's slices are a GPU matter); :func:`prune`
+drops the ones that measurements on an H200 never saw win before anything is
+timed. Every candidate's output is compared with KvSplit K = 1; a mismatch
+disqualifies it (and is logged). Times come from CUDA-graph replay on GPUs
+and from a host clock on the CPU. The winner is the fastest median, except
+that a simpler config (fewer groups per row) within ``noise_margin`` of it
+wins instead.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from ..db import CandidateResult, KernelConfig, TuningPolicy, TuningRecord
 from ..db.transfer import tool_version
-from ..dispatch.constraints import valid_kv_splits
+from ..dispatch.constraints import DSPLIT, KVSPLIT, Config, kvsplit_config, valid_configs
 from .timing import Timing, time_cuda_graph, time_host
 
 log = logging.getLogger("kvsplit.autotune")
@@ -28,23 +32,61 @@ _MATCH_TOLERANCE = 1e-2  # relative norm vs kv_split=1: a different summation or
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-@dataclass(frozen=True, order=True)
-class Candidate:
-    """A kernel config to try: a family and its parameters (hashable)."""
-
-    kv_split: int
-    family: str = "kvsplit"
-
-    def to_db(self) -> KernelConfig:
-        return KernelConfig.kvsplit(self.kv_split)
+Candidate = Config  # what the tuner tries: a kernel family and its parameters
+BASELINE = kvsplit_config(1)
 
 
-def candidates(key, *, max_split: int | None = None, is_cuda: bool = True) -> list[Candidate]:
-    """Every config that satisfies the constraints at the key's shape."""
-    return [Candidate(k) for k in valid_kv_splits(
+def to_db(config: Config) -> KernelConfig:
+    """The database's form of a config."""
+    return KernelConfig(family=config.family_name, params=config.params())
+
+
+# Pruning, from a sweep of every config over the benchmark grid on an H200
+# (docs/benchmarks.md): the best configs run about 64-128K threads in all,
+# give each group at least two partials, and use CTAs of 32-256 threads.
+_TARGET_THREADS = 65536
+
+
+def prune(configs: list[Config], key) -> list[Config]:
+    """The configs worth timing at ``key``: at most 3 group counts K around the
+    shape's sweet spot, DSplit with 32..256 threads per CTA and 8-deep rounds
+    only when a group has more than 4 partials; KvSplit K = 1 always stays."""
+    vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
+    sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
+    k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
+    ks = {k_hi, k_hi // 2} - {0}
+    kept = []
+    for c in configs:
+        if c.family == KVSPLIT:
+            keep = c.kv_split == 1 or c.kv_split in ks
+        else:
+            threads = c.kv_split * vectors // c.slices
+            # Deeper rounds pay where a group has many partials and the grid is small.
+            deep = (math.ceil(key.num_splits / c.kv_split) > 4
+                    and key.rows * c.kv_split * vectors <= _TARGET_THREADS)
+            keep = c.kv_split in ks and threads <= 256 and c.depth == (8 if deep else 4)
+        if keep:
+            kept.append(c)
+    return kept
+
+
+def candidates(key, *, max_split: int | None = None, is_cuda: bool = True,
+               pruned: bool = True) -> list[Config]:
+    """Every config that satisfies its family's rules at the key's shape.
+
+    On a GPU both families, pruned unless ``pruned=False``; on the CPU every
+    KvSplit K (at most five).
+    """
+    configs = valid_configs(
         head_dim=key.head_dim, elem_bytes=_DTYPES[key.partial_dtype].itemsize, rows=key.rows,
         num_splits=key.num_splits, sm_count=key.device.sm_count if is_cuda else None,
-        max_split=max_split)]
+        max_split=max_split, families=(KVSPLIT, DSPLIT) if is_cuda else (KVSPLIT,))
+    return prune(configs, key) if pruned and is_cuda else configs
+
+
+def simplicity(config: Config) -> tuple[int, int, int, int]:
+    """Order among near-ties: fewer groups per row, then KvSplit, fewer slices, less depth."""
+    return (config.kv_split * config.slices, config.family, config.slices, config.depth)
 
 
 class _Scratch:
@@ -68,13 +110,13 @@ class _Scratch:
         from .. import merge
 
         o, stats, out = self.sets[index % len(self.sets)]
-        # exact=True: measure the K that is recorded, whatever KVSPLIT_* says.
+        # config=: measure the config that is recorded, whatever KVSPLIT_* says.
         if self.key.stats_format == "maxsum":
             merge._launch(merge.MAXSUM, o, stats, None, None, out, None, 1.0, merge._LN2,
-                          candidate.kv_split, fresh_out=True, exact=True)
+                          0, fresh_out=True, config=candidate)
         else:
             merge._launch(merge.LSE, o, stats, None, None, out, None, 1.0, 1.0,
-                          candidate.kv_split, fresh_out=True, exact=True)
+                          0, fresh_out=True, config=candidate)
         return out
 
 
@@ -84,30 +126,32 @@ def _copies_for_cold(key, l2_bytes: int) -> int:
 
 
 def pick_winner(timings: dict[Candidate, Timing], noise_margin: float) -> Candidate:
-    """Fastest median; a smaller kv_split within ``noise_margin`` of it wins instead."""
+    """Fastest median; a simpler config within ``noise_margin`` of it wins instead."""
     best = min(timings.values(), key=lambda t: t.median_us).median_us
-    return min(c for c, t in timings.items() if t.median_us <= best * (1.0 + noise_margin))
+    return min((c for c, t in timings.items() if t.median_us <= best * (1.0 + noise_margin)),
+               key=simplicity)
 
 
 def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: float = NOISE_MARGIN,
-         max_split: int | None = None, batch: int = 12, replays: int = 7) -> TuningRecord:
-    """Profile every valid config for ``key`` on ``device``; return the record (not stored)."""
+         max_split: int | None = None, batch: int = 12, replays: int = 7,
+         pruned: bool = True) -> TuningRecord:
+    """Profile the candidates for ``key`` on ``device``; return the record (not stored)."""
     is_cuda = device.type == "cuda"
     copies = 1
     if l2_state == "cold" and is_cuda:
         copies = _copies_for_cold(key, torch.cuda.get_device_properties(device).L2_cache_size)
     with torch.cuda.device(device) if is_cuda else contextlib.nullcontext():
         scratch = _Scratch(key, device, copies)
-        reference = scratch.run(Candidate(1)).float().clone()
+        reference = scratch.run(BASELINE).float().clone()
         timings: dict[Candidate, Timing] = {}
         results = []
-        for candidate in candidates(key, max_split=max_split, is_cuda=is_cuda):
+        for candidate in candidates(key, max_split=max_split, is_cuda=is_cuda, pruned=pruned):
             got = scratch.run(candidate).float()
             error = ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
             matched = math.isfinite(error) and error <= _MATCH_TOLERANCE
             if not matched:
                 log.warning("kvsplit: %s disagrees with kv_split=1 for %s (relative error %.3g); "
-                            "disqualified", candidate, key.choice_key, error)
+                            "disqualified", candidate.label, key.choice_key, error)
             if is_cuda:
                 timing = time_cuda_graph(lambda i, c=candidate: scratch.run(c, i),
                                          batch=max(batch, copies), replays=replays)
@@ -116,11 +160,11 @@ def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: flo
                                    replays=replays)
             if matched:
                 timings[candidate] = timing
-            results.append(CandidateResult(config=candidate.to_db(), median_us=timing.median_us,
+            results.append(CandidateResult(config=to_db(candidate), median_us=timing.median_us,
                                            p10_us=timing.p10_us, p90_us=timing.p90_us,
                                            samples=timing.samples, matched=matched))
     winner = pick_winner(timings, noise_margin)
-    return TuningRecord(key=key, winner=winner.to_db(),
+    return TuningRecord(key=key, winner=to_db(winner),
                         policy=TuningPolicy(l2_state=l2_state, repeats=replays,
                                             noise_margin=noise_margin),
                         candidates=results, tool_version=tool_version())

@@ -1,11 +1,13 @@
-"""Dispatcher benchmarks: regret on unseen shapes, first-use tuning time, host overhead.
+"""Dispatcher benchmarks: regret, first-use tuning time, host overhead.
 
-Run on a GPU machine after `kvsplit tune` filled KVSPLIT_DB with the
-benchmark grid:  python -P benchmarks/bench_dispatch.py [--out DIR]
+Run on a GPU machine:  python -P benchmarks/bench_dispatch.py [--out DIR]
+(with KVSPLIT_DB filled by `kvsplit tune` over the benchmark grid, or empty).
 
-Regret: for shapes the tuning run did not see, the time of the K that
-`kv_split=None` picks (mode auto: a stored choice for the shape's bucket, or
-profiling at first use) over the best K measured in the same run.
+Regret: the time of the config that `kv_split=None` picks (mode auto: a
+stored choice for the shape's bucket, the shipped table, or profiling of the
+pruned candidates at first use) over the best of *every* valid config of
+both families, measured in the same run; on the benchmark grid and on 32
+shapes the tuning grid did not see.
 Host overhead: microseconds per call (no sync) of merge_maxsum(kv_split=None)
 after the first call, of a forced-K call, and of the raw binding.
 """
@@ -24,11 +26,13 @@ import torch
 import kvsplit
 from kvsplit import _native, merge
 from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
-from kvsplit.dispatch.constraints import valid_kv_splits
+from kvsplit.dispatch.constraints import valid_configs
 from kvsplit.dispatch.device import device_facts
 from kvsplit.dispatch.dispatcher import dispatcher
 
 UNSEEN = [(d, r, n) for d in (512, 128) for r in (40, 100, 300, 1000) for n in (20, 48, 100, 200)]
+GRID = [(d, r, n) for d, r in ((512, 64), (512, 128), (512, 512), (512, 2048), (128, 32),
+                                (128, 256), (128, 2048)) for n in (16, 32, 64, 132, 264)]
 
 
 def make(num_splits, rows, head_dim, g):
@@ -38,16 +42,17 @@ def make(num_splits, rows, head_dim, g):
     return o.cuda().bfloat16(), torch.stack([m, l], -1).cuda()
 
 
-def regret(g, sm_count):
+def regret(g, sm_count, shapes):
     rows_out = []
     facts = device_facts(torch.device("cuda", 0))
-    for head_dim, rows, num_splits in UNSEEN:
+    for head_dim, rows, num_splits in shapes:
         o, stats = make(num_splits, rows, head_dim, g)
         out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
-        times = {k: time_cuda_graph(lambda i, k=k: kvsplit.merge_maxsum(o, stats, 0.1, out=out,
-                                                                          kv_split=k)).median_us
-                 for k in valid_kv_splits(head_dim=head_dim, elem_bytes=2, rows=rows,
-                                          num_splits=num_splits, sm_count=sm_count)}
+        times = {c: time_cuda_graph(lambda i, c=c: merge._launch(
+            merge.MAXSUM, o, stats, None, None, out, None, 0.1, merge._LN2, 0,
+            config=c)).median_us
+                 for c in valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
+                                        num_splits=num_splits, sm_count=sm_count)}
         torch.cuda.synchronize()
         begin = time.perf_counter()
         kvsplit.merge_maxsum(o, stats, 0.1, out=out)
@@ -56,14 +61,14 @@ def regret(g, sm_count):
         decision = dispatcher.explain(facts, head_dim, torch.bfloat16, torch.bfloat16, 0,
                                       num_splits, rows)
         best = min(times, key=times.get)
+        auto = decision.config
         rows_out.append({"head_dim": head_dim, "rows": rows, "num_splits": num_splits,
-                         "best_k": best, "best_us": times[best], "auto_k": decision.kv_split,
-                         "auto_us": times[decision.kv_split], "source": decision.source,
-                         "first_call_ms": first_ms,
-                         "regret": times[decision.kv_split] / times[best] - 1})
+                         "best": best.label, "best_us": times[best], "auto": auto.label,
+                         "auto_us": times[auto], "source": decision.source,
+                         "first_call_ms": first_ms, "regret": times[auto] / times[best] - 1})
         r = rows_out[-1]
-        print(f"  D={head_dim} rows={rows} N={num_splits}: best K={best} {times[best]:.2f} us, "
-              f"auto K={r['auto_k']} ({r['source']}, first call {first_ms:.1f} ms) "
+        print(f"  D={head_dim} rows={rows} N={num_splits}: best {best.label} {times[best]:.2f} us, "
+              f"auto {auto.label} ({r['source']}, first call {first_ms:.1f} ms) "
               f"regret {100 * r['regret']:.1f}%", flush=True)
     return rows_out
 
@@ -73,14 +78,14 @@ def host_overhead(g, calls=20000):
     out = torch.empty(64, 512, dtype=torch.bfloat16, device="cuda")
     ext = _native.ext()
     facts = device_facts(o.device)
-    k = dispatcher.choose(facts, o.device, 512, o.dtype, out.dtype, 0, 16, 64, None)
+    config = dispatcher.choose(facts, o.device, 512, o.dtype, out.dtype, 0, 16, 64, None)
     args = (o.data_ptr(), stats.data_ptr(), 0, 0, out.data_ptr(), 0, 16, 64, 1, o.stride(0),
             o.stride(1), stats.stride(0), stats.stride(1), out.stride(0), 0.1, math.log(2), 512,
-            0, 0, 0, k, facts.sm_count, False)
+            0, 0, 0, *config, facts.sm_count, False)
     variants = {
         "merge_maxsum(kv_split=None)": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out),
-        f"merge_maxsum(kv_split={k})": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out,
-                                                                     kv_split=k),
+        "merge_maxsum(kv_split=4)": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out,
+                                                                  kv_split=4),
         "dispatcher.choose only": lambda: dispatcher.choose(facts, o.device, 512, o.dtype,
                                                             out.dtype, 0, 16, 64, None),
         "raw binding": lambda: ext.merge_cuda(*args, torch.cuda.current_stream().cuda_stream),
@@ -109,21 +114,26 @@ def main() -> int:
     spin_up_gpu()
     g = torch.Generator().manual_seed(7)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    print("regret on shapes the tuning grid did not see (mode auto):", flush=True)
-    rows = regret(g, sm_count)
-    regrets = [max(r["regret"], 0.0) for r in rows]
-    geomean = math.exp(sum(math.log1p(x) for x in regrets) / len(regrets)) - 1
-    tuned = [r["first_call_ms"] for r in rows if r["source"] == "tuned"]
-    print(f"geomean regret {100 * geomean:.2f}%, worst {100 * max(regrets):.2f}%; "
-          f"first-use tuning {len(tuned)} keys, median "
-          f"{sorted(tuned)[len(tuned) // 2] if tuned else float('nan'):.1f} ms, "
-          f"max {max(tuned) if tuned else float('nan'):.1f} ms")
+    summaries = {}
+    for name, shapes in (("grid", GRID), ("unseen", UNSEEN)):
+        print(f"regret on the {name} shapes (mode auto):", flush=True)
+        rows = regret(g, sm_count, shapes)
+        regrets = [max(r["regret"], 0.0) for r in rows]
+        geomean = math.exp(sum(math.log1p(x) for x in regrets) / len(regrets)) - 1
+        tuned = sorted(r["first_call_ms"] for r in rows if r["source"] == "tuned")
+        summaries[name] = {"rows": rows, "geomean_regret": geomean, "worst_regret": max(regrets),
+                           "tuned_keys": len(tuned), "first_use_ms": tuned}
+        print(f"{name}: geomean regret {100 * geomean:.2f}%, worst {100 * max(regrets):.2f}%; "
+              f"first-use tuning {len(tuned)} keys, median "
+              f"{tuned[len(tuned) // 2] if tuned else float('nan'):.1f} ms, "
+              f"max {max(tuned) if tuned else float('nan'):.1f} ms, "
+              f"{sum(t <= 50 for t in tuned)} of {len(tuned)} <= 50 ms", flush=True)
     print("host overhead per call (no sync, D=512 rows=64 N=16):", flush=True)
     overhead = host_overhead(g)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_dispatch.json").write_text(json.dumps(
-            {"regret": rows, "geomean_regret": geomean, "host_overhead_us": overhead}, indent=1))
+            {"regret": summaries, "host_overhead_us": overhead}, indent=1))
     return 0
 
 

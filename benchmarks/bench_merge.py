@@ -1,14 +1,23 @@
-"""Per-launch time of every valid kv_split on the issue's benchmark grid.
+"""Per-launch time of every kernel config on the issues' benchmark grid.
 
 Run on a GPU machine:  python -P benchmarks/bench_merge.py [--out DIR]
 
 For every shape (bf16 partials, maxsum stats) it prints, in microseconds per
 launch from CUDA-graph replay:
-  warm   every K on the same buffers (L2-warm, like right after attention);
-  cold   K = 1 and the best K rotating over buffer sets 4x the L2 size;
+  warm   every valid config of both families on the same buffers (L2-warm,
+         like right after attention): KvSplit K = 1, the best KvSplit K, the
+         best DSplit (slices, kv_split) and the best of all;
+  read   the read probe: every input byte read once, every output byte
+         written, nothing merged (no merge can beat it); best / read;
+  cold   the read probe, K = 1 and the best config rotating over buffer sets
+         4x the L2 size;
   floor  max(empty-kernel launch, bytes / measured copy bandwidth);
   torch  a PyTorch merge of the same partials, captured in a graph too;
-  eager  the best K launched back to back without a graph (host-bound).
+  PDL    the best config in graph replay with programmatic dependent launch
+         (each merge launched while the previous one drains);
+  eager  the best config launched back to back without a graph (host-bound).
+The JSON output keeps every config's time (the tuner's pruning rules come
+from it).
 """
 
 from __future__ import annotations
@@ -17,19 +26,18 @@ import argparse
 import datetime
 import json
 import math
+import os
 import pathlib
 import sys
 
 import torch
 
-import kvsplit
-from kvsplit import _native
+from kvsplit import _native, merge
 from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph, time_cuda_stream
-from kvsplit.dispatch.constraints import num_ctas, valid_kv_splits
+from kvsplit.dispatch.constraints import DSPLIT, KVSPLIT, kvsplit_config, valid_configs
 
 SHAPES = [(512, 64), (512, 128), (512, 512), (512, 2048), (128, 32), (128, 256), (128, 2048)]
 NUM_SPLITS = (16, 32, 64, 132, 264)
-KS = (1, 2, 4, 8, 16)
 
 
 def copy_bandwidth() -> float:
@@ -62,57 +70,98 @@ def torch_merge(o, stats, scale_log2, out):
     out.copy_(((w / total).unsqueeze(-1) * o.float()).sum(dim=0))
 
 
+def launch_config(o, stats, out, scale, config) -> None:
+    merge._launch(merge.MAXSUM, o, stats, None, None, out, None, scale, merge._LN2, 0,
+                  fresh_out=True, config=config)
+
+
+def read_probe(o, stats, out) -> None:
+    _native.ext().launch_read_probe(o.data_ptr(), o.numel() * o.element_size(), stats.data_ptr(),
+                                    stats.numel() * 4, out.data_ptr(),
+                                    out.numel() * out.element_size(),
+                                    torch.cuda.current_stream().cuda_stream)
+
+
 def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, bandwidth, noop_us, generator):
     scale = 1.0 / math.sqrt(head_dim) * 1.4426950408889634
     warm = make_set(num_splits, rows, head_dim, generator)
     set_bytes = warm[0].numel() * 2 + warm[1].numel() * 4 + warm[2].numel() * 2
     n_sets = max(2, min(64, math.ceil(4 * l2_bytes / set_bytes)))
     cold = [warm] + [make_set(num_splits, rows, head_dim, generator) for _ in range(n_sets - 1)]
-    valid = valid_kv_splits(head_dim=head_dim, elem_bytes=2, rows=rows, num_splits=num_splits,
+    configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows, num_splits=num_splits,
                             sm_count=sm_count)
 
-    def launcher(sets, k):
-        return lambda i: kvsplit.merge_maxsum(sets[i % len(sets)][0], sets[i % len(sets)][1], scale,
-                                              out=sets[i % len(sets)][2], kv_split=k)
+    def launcher(sets, config):
+        return lambda i: launch_config(*sets[i % len(sets)], scale, config)
+
+    def probe(sets):
+        return lambda i: read_probe(*sets[i % len(sets)])
 
     result = {"head_dim": head_dim, "rows": rows, "num_splits": num_splits, "bytes": set_bytes,
               "floor_us": max(noop_us, set_bytes / bandwidth), "bytes_us": set_bytes / bandwidth,
               "warm": {}, "cold": {}, "max_diff_vs_k1": {}}
-    reference = None
-    for k in valid:
-        result["warm"][k] = time_cuda_graph(launcher([warm], k)).median_us
-        out = kvsplit.merge_maxsum(warm[0], warm[1], scale, kv_split=k).float()
-        reference = out if reference is None else reference
-        result["max_diff_vs_k1"][k] = (out - reference).abs().max().item()
-    best_k = min(result["warm"], key=result["warm"].get)
-    for k in sorted({1, best_k}):
-        result["cold"][k] = time_cuda_graph(launcher(cold, k), batch=max(32, n_sets)).median_us
-    result["best_k"] = best_k
-    result["ctas"] = num_ctas(best_k, head_dim, 2, rows)
-    result["rounds"] = math.ceil(num_splits / best_k / 4)
-    result["eager_us"] = time_cuda_stream(launcher([warm], best_k)).median_us
+    baseline = kvsplit_config(1)
+    launch_config(*warm, scale, baseline)
+    reference = warm[2].float().clone()
+    for config in configs:
+        result["warm"][config.label] = time_cuda_graph(launcher([warm], config)).median_us
+        launch_config(*warm, scale, config)
+        result["max_diff_vs_k1"][config.label] = (warm[2].float() - reference).abs().max().item()
+    by_label = {c.label: c for c in configs}
+
+    def best_of(family):
+        labels = [c.label for c in configs if c.family == family]
+        return min(labels, key=result["warm"].get) if labels else None
+
+    result["best_kvsplit"] = best_of(KVSPLIT)
+    result["best_dsplit"] = best_of(DSPLIT)
+    result["best"] = min(result["warm"], key=result["warm"].get)
+    result["read_us"] = time_cuda_graph(probe([warm])).median_us
+    result["cold_read_us"] = time_cuda_graph(probe(cold), batch=max(32, n_sets)).median_us
+    for label in dict.fromkeys([baseline.label, result["best_kvsplit"], result["best"]]):
+        result["cold"][label] = time_cuda_graph(launcher(cold, by_label[label]),
+                                                batch=max(32, n_sets)).median_us
+    os.environ["KVSPLIT_PDL"] = "1"  # back-to-back merges, each launched while the last drains
+    try:
+        result["best_pdl_us"] = time_cuda_graph(launcher([warm], by_label[result["best"]])).median_us
+    finally:
+        os.environ["KVSPLIT_PDL"] = "0"
+    result["eager_us"] = time_cuda_stream(launcher([warm], by_label[result["best"]])).median_us
     result["torch_us"] = time_cuda_graph(lambda i: torch_merge(warm[0], warm[1], scale, warm[2]),
                                          batch=8).median_us
     return result
 
 
+def short(label: str | None) -> str:
+    """kvsplit(kv_split=8) -> K8; dsplit(depth=8, kv_split=16, slices=4) -> P4xK16d8."""
+    if label is None:
+        return "-"
+    params = dict(part.split("=") for part in label[label.index("(") + 1:-1].split(", "))
+    if "slices" not in params:
+        return f"K{params['kv_split']}"
+    return f"P{params['slices']}xK{params['kv_split']}d{params['depth']}"
+
+
 def table(results, gpu: str) -> str:
     lines = [
         f"GPU: {gpu}; {datetime.date.today()}; bf16 partials, maxsum stats; "
-        "us per launch in CUDA-graph replay",
+        "us per launch in CUDA-graph replay (warm unless marked cold)",
         "",
-        "| D | rows | N | " + " | ".join(f"K={k}" for k in KS)
-        + " | best (K) | floor | best-floor | CTAs | rounds | cold K=1 | cold best | torch | eager |",
-        "|" + "---|" * (len(KS) + 12),
+        "| D | rows | N | K=1 | KvSplit best | DSplit best | best | read | best/read | floor "
+        "| best, PDL | cold read | cold K=1 | cold best | torch | eager |",
+        "|" + "---|" * 16,
     ]
     for r in results:
-        ks = " | ".join(f"{r['warm'][k]:.2f}" if k in r["warm"] else "-" for k in KS)
-        best = r["warm"][r["best_k"]]
+        warm = r["warm"]
+        ks, ds, best = r["best_kvsplit"], r["best_dsplit"], r["best"]
+        dsplit = f"{warm[ds]:.2f} ({short(ds)})" if ds else "-"
         lines.append(
-            f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} | {ks} | {best:.2f} ({r['best_k']}) "
-            f"| {r['floor_us']:.2f} | {best - r['floor_us']:+.2f} | {r['ctas']} | {r['rounds']} "
-            f"| {r['cold'][1]:.2f} | {r['cold'][r['best_k']]:.2f} | {r['torch_us']:.2f} "
-            f"| {r['eager_us']:.2f} |")
+            f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} "
+            f"| {warm['kvsplit(kv_split=1)']:.2f} | {warm[ks]:.2f} ({short(ks)}) | {dsplit} "
+            f"| {warm[best]:.2f} | {r['read_us']:.2f} | {warm[best] / r['read_us']:.2f} "
+            f"| {r['floor_us']:.2f} | {r['best_pdl_us']:.2f} | {r['cold_read_us']:.2f} "
+            f"| {r['cold']['kvsplit(kv_split=1)']:.2f} | {r['cold'][best]:.2f} "
+            f"| {r['torch_us']:.2f} | {r['eager_us']:.2f} |")
     return "\n".join(lines)
 
 
@@ -136,10 +185,11 @@ def main() -> int:
         for num_splits in ((16, 132) if args.quick else NUM_SPLITS):
             results.append(bench_shape(head_dim, rows, num_splits, props.multi_processor_count,
                                        props.L2_cache_size, bandwidth, noop_us, generator))
-            worst = max(results[-1]["max_diff_vs_k1"].values())
-            print(f"  D={head_dim} rows={rows} N={num_splits}: best K={results[-1]['best_k']} "
-                  f"{results[-1]['warm'][results[-1]['best_k']]:.2f} us (max |K - K1| {worst:.1e})",
-                  flush=True)
+            r = results[-1]
+            worst = max(r["max_diff_vs_k1"].values())
+            print(f"  D={head_dim} rows={rows} N={num_splits}: best {short(r['best'])} "
+                  f"{r['warm'][r['best']]:.2f} us, read {r['read_us']:.2f} us "
+                  f"(max |config - K1| {worst:.1e})", flush=True)
     text = table(results, props.name)
     print(text)
     if args.out:

@@ -2,7 +2,7 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests bench tune, or NAME for benchmarks/NAME.py
+#   stages: build tests all-tests bench tune demo, or NAME for benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
 set -uo pipefail
@@ -47,6 +47,14 @@ for stage in "${stages[@]}"; do
       python3 -P -m kvsplit db stats 2>&1 | tee -a "$LOG"
       python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 --stats-format maxsum >> "$LOG" 2>&1
       python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2 ;;
+    demo)
+      # The README's main job twice on a fresh database: the second process
+      # must reuse the stored choice without profiling.
+      for run in first second; do
+        echo "--- demo, $run process" | tee -a "$LOG"
+        KVSPLIT_DB=sqlite:////tmp/kvsplit-demo.sqlite python3 -P -m kvsplit demo 2>&1 | tee -a "$LOG"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done ;;
     bench)
       python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -1,6 +1,7 @@
-"""Turns the JSON of bench_merge.py and bench_dispatch.py into markdown sections.
+"""Turns the JSON of the GPU benchmarks into the markdown of docs/benchmarks.md.
 
-    python benchmarks/report.py DIR     (DIR holds bench_merge.json, bench_dispatch.json)
+    python benchmarks/report.py DIR     (DIR holds bench_merge.json and, if run,
+                                         bench_dispatch.json and bench_chain.json)
 """
 
 from __future__ import annotations
@@ -10,63 +11,133 @@ import math
 import pathlib
 import sys
 
-# Reference figures for the seed's design on an H200 (issue 2): K=1, best K, floor.
-REFERENCE = {(512, 64, 132): (20.4, 5.3, 2.05), (512, 64, 16): (3.7, 2.5, 0.50),
-             (128, 32, 264): (38.8, 5.8, 0.52), (512, 2048, 132): (65.6, 65.6, 65.8)}
+# Issue 2: the seed's design on an H200, (K=1, best K).
+REFERENCE = {(512, 64, 132): (20.4, 5.3), (512, 64, 16): (3.7, 2.5),
+             (128, 32, 264): (38.8, 5.8), (512, 2048, 132): (65.6, 65.6)}
+# Issue 5: (seed design best K, read probe, a widely used peer), us.
+PEERS = {(512, 64, 16): (2.47, 1.40, 2.32), (512, 64, 132): (5.29, 2.32, 7.27),
+         (512, 64, 264): (8.37, 3.31, 12.79), (128, 32, 16): (2.38, 1.31, 1.99),
+         (128, 32, 264): (5.22, 1.49, 6.21), (128, 256, 132): (4.66, 2.38, 4.82),
+         (512, 512, 132): (19.55, 17.41, 20.29)}
+K1 = "kvsplit(kv_split=1)"
 
 
-def merge_sections(data: dict) -> str:
-    by_shape = {(r["head_dim"], r["rows"], r["num_splits"]): r for r in data["results"]}
-    lines = ["| D / rows / N | K=1 measured / reference | best measured / reference | "
-             "K=1 ratio | best ratio |", "|---|---|---|---|---|"]
-    for shape, (k1, best, _) in REFERENCE.items():
-        r = by_shape[shape]
-        got_best = r["warm"][str(r["best_k"])] if isinstance(next(iter(r["warm"])), str) \
-            else r["warm"][r["best_k"]]
-        got_k1 = r["warm"]["1"] if "1" in r["warm"] else r["warm"][1]
-        lines.append(f"| {shape[0]} / {shape[1]} / {shape[2]} | {got_k1:.2f} / {k1} | "
-                     f"{got_best:.2f} (K={r['best_k']}) / {best} | {got_k1 / k1:.2f} | "
-                     f"{got_best / best:.2f} |")
+def short(label: str) -> str:
+    """kvsplit(kv_split=8) -> K8; dsplit(depth=8, kv_split=16, slices=4) -> P4xK16d8."""
+    params = dict(part.split("=") for part in label[label.index("(") + 1:-1].split(", "))
+    if "slices" not in params:
+        return f"K{params['kv_split']}"
+    return f"P{params['slices']}xK{params['kv_split']}d{params['depth']}"
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def merge_table(data: dict) -> str:
+    lines = [
+        "| D | rows | N | K=1 | KvSplit best | DSplit best | best | read | best / read | "
+        "best, PDL | cold read | cold K=1 | cold best | torch | eager |",
+        "|" + "---|" * 15,
+    ]
+    for r in data["results"]:
+        warm, ks, ds, best = r["warm"], r["best_kvsplit"], r["best_dsplit"], r["best"]
+        dsplit = f"{warm[ds]:.2f} ({short(ds)})" if ds else "-"
+        lines.append(
+            f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} | {warm[K1]:.2f} "
+            f"| {warm[ks]:.2f} ({short(ks)}) | {dsplit} | **{warm[best]:.2f}** "
+            f"| {r['read_us']:.2f} | {warm[best] / r['read_us']:.2f} | {r['best_pdl_us']:.2f} "
+            f"| {r['cold_read_us']:.2f} | {r['cold'][K1]:.2f} | {r['cold'][best]:.2f} "
+            f"| {r['torch_us']:.2f} | {r['eager_us']:.2f} |")
+    ratios = [r["warm"][r["best"]] / r["read_us"] for r in data["results"]]
+    lines += ["", f"best / read over the {len(ratios)} shapes: geomean {geomean(ratios):.2f}, "
+              f"min {min(ratios):.2f}, max {max(ratios):.2f}; "
+              f"{sum(x <= 1.2 for x in ratios)} shapes within 1.2x."]
     return "\n".join(lines)
 
 
-def dispatch_sections(data: dict) -> str:
-    rows = data["regret"]
-    regrets = [max(r["regret"], 0.0) for r in rows]
-    tuned = sorted(r["first_call_ms"] for r in rows if r["source"] == "tuned")
-    lines = [
-        f"Unseen shapes: {len(rows)}; geomean regret {100 * data['geomean_regret']:.2f} %, "
-        f"worst {100 * max(regrets):.2f} %; {sum(1 for x in regrets if x > 0)} shapes with "
-        "any regret.",
-        f"First-use tuning (first call of an untuned key, wall clock, includes building the "
-        f"scratch tensors): median {tuned[len(tuned) // 2]:.1f} ms, "
-        f"{sum(1 for t in tuned if t <= 50)} of {len(tuned)} keys within 50 ms, max "
-        f"{tuned[-1]:.1f} ms (the first key of the process, which also pays CUDA-graph "
-        "and database start-up).",
-        "",
-        "| D | rows | N | best K | best us | auto K | auto us | regret | first call ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} | {r['best_k']} | "
-                     f"{r['best_us']:.2f} | {r['auto_k']} | {r['auto_us']:.2f} | "
-                     f"{100 * r['regret']:.1f} % | {r['first_call_ms']:.1f} |")
-    lines += ["", "Host time per call, no sync (D=512 rows=64 N=16, a cache hit):", "",
+def peer_table(data: dict) -> str:
+    by_shape = {(r["head_dim"], r["rows"], r["num_splits"]): r for r in data["results"]}
+    lines = ["| D / rows / N | best (config) | read | best / read | best, PDL | issue: seed best K "
+             "/ read / peer | best vs peer |", "|---|---|---|---|---|---|---|"]
+    for shape, (seed, read, peer) in PEERS.items():
+        r = by_shape[shape]
+        best = r["warm"][r["best"]]
+        lines.append(f"| {shape[0]} / {shape[1]} / {shape[2]} | {best:.2f} ({short(r['best'])}) "
+                     f"| {r['read_us']:.2f} | {best / r['read_us']:.2f} | {r['best_pdl_us']:.2f} "
+                     f"| {seed} / {read} / {peer} | {best / peer:.2f} |")
+    return "\n".join(lines)
+
+
+def reference_table(data: dict) -> str:
+    by_shape = {(r["head_dim"], r["rows"], r["num_splits"]): r for r in data["results"]}
+    lines = ["| D / rows / N | K=1 measured / reference | KvSplit best measured / reference | "
+             "K=1 ratio | best ratio |", "|---|---|---|---|---|"]
+    for shape, (k1, best) in REFERENCE.items():
+        r = by_shape[shape]
+        got_k1, got_best = r["warm"][K1], r["warm"][r["best_kvsplit"]]
+        lines.append(f"| {shape[0]} / {shape[1]} / {shape[2]} | {got_k1:.2f} / {k1} | "
+                     f"{got_best:.2f} ({short(r['best_kvsplit'])}) / {best} | "
+                     f"{got_k1 / k1:.2f} | {got_best / best:.2f} |")
+    return "\n".join(lines)
+
+
+def dispatch_section(data: dict) -> str:
+    lines = []
+    for name, part in data["regret"].items():
+        rows = part["rows"]
+        tuned = part["first_use_ms"]
+        lines += [
+            f"**{name}** ({len(rows)} shapes): geomean regret "
+            f"{100 * part['geomean_regret']:.2f} %, worst {100 * part['worst_regret']:.2f} %; "
+            f"sources: " + ", ".join(f"{s} {sum(r['source'] == s for r in rows)}"
+                                     for s in sorted({r['source'] for r in rows})) + ".",
+        ]
+        if tuned:
+            lines += [f"First-use tuning (wall clock of the first call, scratch tensors "
+                      f"included): median {tuned[len(tuned) // 2]:.1f} ms, "
+                      f"{sum(t <= 50 for t in tuned)} of {len(tuned)} keys within 50 ms, max "
+                      f"{tuned[-1]:.1f} ms."]
+        lines += ["", "| D | rows | N | best (all configs) | us | auto | us | source | regret "
+                  "| first call ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} | {short(r['best'])} "
+                         f"| {r['best_us']:.2f} | {short(r['auto'])} | {r['auto_us']:.2f} "
+                         f"| {r['source']} | {100 * r['regret']:.1f} % "
+                         f"| {r['first_call_ms']:.1f} |")
+        lines.append("")
+    lines += ["Host time per call, no sync (D=512 rows=64 N=16, a cache hit):", "",
               "| call | us |", "|---|---|"]
     lines += [f"| {name} | {us:.2f} |" for name, us in data["host_overhead_us"].items()]
+    return "\n".join(lines)
+
+
+def chain_table(data: dict) -> str:
+    lines = ["| D | rows | N | config | merge alone | producer alone | pair, PDL off "
+             "| pair, PDL on | saved |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        for label, c in r["configs"].items():
+            lines.append(
+                f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} | {short(label)} "
+                f"| {c['merge_us']:.2f} | {r['producer_us']:.2f} | {c['pair_off_us']:.2f} "
+                f"| {c['pair_on_us']:.2f} | {c['pair_off_us'] - c['pair_on_us']:+.2f} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     folder = pathlib.Path(sys.argv[1])
     merge = json.loads((folder / "bench_merge.json").read_text())
-    print(f"## vs the reference figures ({merge['gpu']}, copy {merge['copy_bytes_per_us'] / 1e6:.2f}"
-          f" TB/s, empty launch {merge['noop_us']:.2f} us)\n")
-    print(merge_sections(merge))
-    dispatch = folder / "bench_dispatch.json"
-    if dispatch.exists():
-        print("\n## Dispatcher\n")
-        print(dispatch_sections(json.loads(dispatch.read_text())))
+    print(f"{merge['gpu']}, {merge['date']}: copy {merge['copy_bytes_per_us'] / 1e6:.2f} TB/s, "
+          f"empty launch {merge['noop_us']:.2f} us\n")
+    print(merge_table(merge), "\n")
+    print(peer_table(merge), "\n")
+    print(reference_table(merge), "\n")
+    for name, render in (("bench_dispatch.json", dispatch_section),
+                         ("bench_chain.json", chain_table)):
+        path = folder / name
+        if path.exists():
+            print(render(json.loads(path.read_text())), "\n")
     return 0
 
 

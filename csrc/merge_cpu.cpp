@@ -1,7 +1,9 @@
-// The CPU implementation: the same algorithm as merge.cuh, one row at a time.
-// K groups each merge every K-th partial in padded batches of 4, then group 0
-// combines the others in order, exactly as the kernel does, so that the
-// group merge is tested on machines without a GPU.
+// The CPU implementation: the same algorithm as the CUDA kernels, one row at a
+// time. K groups each merge every K-th partial and are combined in the order
+// of the chosen family's kernel (see merge_group and combine_groups), so that
+// both families' group merges are tested on machines without a GPU. A
+// DSplit slice is a column range of the same element-wise merge, so the whole
+// row is computed at once.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "kvsplit/dispatch.h"
+#include "kvsplit/dsplit_geometry.h"
 #include "kvsplit/host_types.h"
 #include "kvsplit/launch.h"
 #include "kvsplit/merge_math.h"
@@ -40,39 +43,123 @@ void store_elem(void* base, int64_t offset, float value) {
   }
 }
 
+// Folds kDepth partials of one row, starting at `first` and kv_split apart;
+// slots at or past `live` are padding (re-read `last`, weight 0).
+template <int kDepth, int kHeadDim, DType kPartial>
+void merge_batch_at(MergeState<kHeadDim>& state, const MergeParams& p, StatsFormat format,
+                    int64_t row, int first, int kv_split, int live, int last) {
+  float m_in[kDepth], l_in[kDepth], o_in[kDepth][kHeadDim];
+  for (int u = 0; u < kDepth; ++u) {
+    const int64_t split = u < live ? first + u * kv_split : last;
+    const float* stat = p.stats + split * p.stats_stride_split + row * p.stats_stride_row;
+    l_in[u] = format == StatsFormat::kMaxSum ? stat[1] : 1.f;
+    m_in[u] = u < live ? stat[0] * p.log2_scale : neg_inf();
+    const int64_t base = split * p.o_stride_split + row * p.o_stride_row;
+    for (int d = 0; d < kHeadDim; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
+  }
+  state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; });
+}
+
+// One group's walk over partials group, group + K, ...: the KvSplit kernel's
+// padded batches of 4, or the DSplit kernel's exact trip count (the remainder
+// of count / depth first, then rounds of depth).
+template <int kHeadDim, DType kPartial>
+void merge_group(MergeState<kHeadDim>& state, const MergeParams& p, const KernelChoice& choice,
+                 int64_t row, int group, int num_splits) {
+  const int k = choice.kv_split;
+  const int count = (num_splits - group + k - 1) / k;
+  const int last = group + (count - 1) * k;
+  const StatsFormat format = choice.stats_format;
+  if (choice.family == Family::kKvSplit) {
+    for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
+      merge_batch_at<kLoadUnroll, kHeadDim, kPartial>(state, p, format, row, group + j0 * k, k,
+                                                      count - j0, last);
+    }
+    return;
+  }
+  const int depth = choice.depth;
+  const int first = count - (count - 1) / depth * depth;
+  switch (first) {
+#define KVSPLIT_FIRST_ROUND(N)                                                                  \
+  case N:                                                                                       \
+    merge_batch_at<N, kHeadDim, kPartial>(state, p, format, row, group, k, N, last);            \
+    break;
+    KVSPLIT_FIRST_ROUND(1) KVSPLIT_FIRST_ROUND(2) KVSPLIT_FIRST_ROUND(3) KVSPLIT_FIRST_ROUND(4)
+    KVSPLIT_FIRST_ROUND(5) KVSPLIT_FIRST_ROUND(6) KVSPLIT_FIRST_ROUND(7) KVSPLIT_FIRST_ROUND(8)
+#undef KVSPLIT_FIRST_ROUND
+    default: break;
+  }
+  for (int done = first; done < count; done += depth) {
+    const int at = group + done * k;
+    if (depth == 8) {
+      merge_batch_at<8, kHeadDim, kPartial>(state, p, format, row, at, k, 8, last);
+    } else {
+      merge_batch_at<4, kHeadDim, kPartial>(state, p, format, row, at, k, 4, last);
+    }
+  }
+}
+
+// Butterfly (xor) over `width` consecutive states starting at `base`, as warp
+// shuffles do it: afterwards every one of them holds the same total.
+template <int kHeadDim>
+void butterfly(std::vector<MergeState<kHeadDim>>& states, int base, int width) {
+  for (int offset = 1; offset < width; offset <<= 1) {
+    const std::vector<MergeState<kHeadDim>> before(states.begin() + base,
+                                                   states.begin() + base + width);
+    for (int i = 0; i < width; ++i) {
+      const auto& other = before[i ^ offset];
+      states[base + i].combine(other.m, other.l, other.acc, 1);
+    }
+  }
+}
+
+// Folds the groups into groups[0] in the kernel's order. KvSplit: group 0
+// adds 1..K-1 in turn. DSplit: a butterfly among the groups of each warp;
+// with several warps, position q of warp 0 folds the totals of warps q,
+// q + G, ... (G groups per warp) into an empty state, and a butterfly joins
+// the positions.
+template <int kHeadDim>
+void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelChoice& choice,
+                    int lanes) {
+  const int k = choice.kv_split;
+  if (choice.family == Family::kKvSplit) {
+    for (int g = 1; g < k; ++g) groups[0].combine(groups[g].m, groups[g].l, groups[g].acc, 1);
+    return;
+  }
+  const int per_warp = std::min(k, 32 / lanes);
+  const int warps = k / per_warp;
+  for (int w = 0; w < warps; ++w) butterfly(groups, w * per_warp, per_warp);
+  if (warps == 1) return;
+  std::vector<MergeState<kHeadDim>> positions(per_warp);
+  for (int q = 0; q < per_warp; ++q) {
+    positions[q].reset();
+    for (int w = q; w < warps; w += per_warp) {
+      const auto& total = groups[w * per_warp];
+      positions[q].combine(total.m, total.l, total.acc, 1);
+    }
+  }
+  butterfly(positions, 0, per_warp);
+  groups[0] = positions[0];
+}
+
 template <int kHeadDim, DType kPartial, DType kOut>
-void merge_rows(const MergeParams& p, StatsFormat format, int kv_split, int64_t row_begin,
+void merge_rows(const MergeParams& p, const KernelChoice& choice, int lanes, int64_t row_begin,
                 int64_t row_end) {
   using State = MergeState<kHeadDim>;
-  std::vector<State> groups(kv_split);
-  float m_in[kLoadUnroll], l_in[kLoadUnroll], o_in[kLoadUnroll][kHeadDim];
+  const StatsFormat format = choice.stats_format;
+  std::vector<State> groups(choice.kv_split);
 
   for (int64_t row = row_begin; row < row_end; ++row) {
     int num_splits = static_cast<int>(p.num_splits);
     if (p.split_counts != nullptr) num_splits = std::clamp(p.split_counts[row], 0, num_splits);
-    for (int group = 0; group < kv_split; ++group) {
-      State& state = groups[group];
-      state.reset();
-      if (group >= num_splits) continue;
-      const int count = (num_splits - group + kv_split - 1) / kv_split;
-      const int last = group + (count - 1) * kv_split;
-      for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
-        for (int u = 0; u < kLoadUnroll; ++u) {
-          const bool live = j0 + u < count;
-          const int64_t split = live ? group + (j0 + u) * kv_split : last;
-          const float* stat = p.stats + split * p.stats_stride_split + row * p.stats_stride_row;
-          l_in[u] = format == StatsFormat::kMaxSum ? stat[1] : 1.f;
-          m_in[u] = live ? stat[0] * p.log2_scale : neg_inf();
-          const int64_t base = split * p.o_stride_split + row * p.o_stride_row;
-          for (int d = 0; d < kHeadDim; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
-        }
-        state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; });
+    for (int group = 0; group < choice.kv_split; ++group) {
+      groups[group].reset();
+      if (group < num_splits) {
+        merge_group<kHeadDim, kPartial>(groups[group], p, choice, row, group, num_splits);
       }
     }
+    combine_groups(groups, choice, lanes);
     State& state = groups[0];
-    for (int group = 1; group < kv_split; ++group) {
-      state.combine(groups[group].m, groups[group].l, groups[group].acc, 1);
-    }
     const float sink_log2 = p.sinks != nullptr ? p.sinks[row % p.heads] * kLog2E : neg_inf();
     float out[kHeadDim], log2_total;
     const float total = state.finalize(sink_log2, out, log2_total);
@@ -91,7 +178,14 @@ void merge_rows(const MergeParams& p, StatsFormat format, int kv_split, int64_t 
 }  // namespace
 
 void merge_cpu(const MergeParams& params, const KernelChoice& choice) {
-  if (choice.kv_split < 1 || choice.kv_split > kMaxKvSplit) {
+  int lanes = 0;
+  if (choice.family == Family::kDSplit) {
+    const int elem_bytes = choice.partial_dtype == DType::kFloat32 ? 4 : 2;
+    lanes = dsplit_lanes(choice.head_dim, elem_bytes, choice.slices, choice.kv_split,
+                         choice.depth);
+  } else if (choice.family != Family::kKvSplit) {
+    throw_unsupported("family", static_cast<int>(choice.family));
+  } else if (choice.kv_split < 1 || choice.kv_split > kMaxKvSplit) {
     throw_unsupported("kv_split", choice.kv_split);
   }
   // Rows are independent; large calls are spread over the host's cores.
@@ -101,8 +195,7 @@ void merge_cpu(const MergeParams& params, const KernelChoice& choice) {
   KVSPLIT_DISPATCH_HEAD_DIM(choice.head_dim, kHeadDim, {
     KVSPLIT_DISPATCH_DTYPES(choice.partial_dtype, choice.out_dtype, kPartial, kOut, {
       auto run = [&](int64_t begin, int64_t end) {
-        merge_rows<kHeadDim, kPartial, kOut>(params, choice.stats_format, choice.kv_split, begin,
-                                             end);
+        merge_rows<kHeadDim, kPartial, kOut>(params, choice, lanes, begin, end);
       };
       if (workers <= 1) {
         run(0, params.rows);

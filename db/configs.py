@@ -12,6 +12,8 @@ from collections.abc import Mapping
 #: family name -> {parameter name -> allowed values}.
 FAMILIES: dict[str, dict[str, tuple[int, ...]]] = {
     "kvsplit": {"kv_split": (1, 2, 4, 8, 16)},
+    "dsplit": {"depth": (4, 8), "kv_split": (1, 2, 4, 8, 16, 32, 64, 128),
+               "slices": (1, 2, 4, 8, 16)},
 }
 
 #: The family and parameters that speed-ups are measured against (KvSplit = 1).

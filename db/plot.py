@@ -24,12 +24,21 @@ def _group_title(record: TuningRecord) -> str:
     )
 
 
+def _short(config) -> str:
+    """kvsplit(kv_split=8) -> K8; dsplit(kv_split=16, slices=4) -> P4xK16."""
+    params = config.params
+    k = params.get("kv_split", "?")
+    return f"P{params['slices']}xK{k}" if "slices" in params else f"K{k}"
+
+
 def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> int:
     """Draw one row of two heat maps per group of keys and save a PNG.
 
     Each group shares everything but ``num_splits`` (y axis) and ``rows``
-    (x axis).  Left: the winner's kv_split (log2 colour scale).  Right: the
-    winner's speed-up over kv_split=1 (blank where kv_split=1 was not measured).
+    (x axis).  Left: the winner config, coloured by its groups per row
+    (kv_split x slices, log2 scale) and labelled ``K8`` (KvSplit) or
+    ``P4xK16`` (DSplit: slices x kv_split).  Right: the winner's speed-up over
+    kv_split=1 (blank where kv_split=1 was not measured).
 
     Returns
     -------
@@ -60,15 +69,20 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
         splits = sorted({r.key.num_splits for r in recs})
         rows = sorted({r.key.rows for r in recs})
         winner = [[math.nan] * len(rows) for _ in splits]
+        names = [[""] * len(rows) for _ in splits]
         speedup = [[math.nan] * len(rows) for _ in splits]
         for r in recs:
             i, j = splits.index(r.key.num_splits), rows.index(r.key.rows)
-            k = r.winner.kv_split
-            winner[i][j] = math.log2(k) if k else math.nan
+            params = r.winner.params
+            groups_per_row = params.get("kv_split", 1) * params.get("slices", 1)
+            winner[i][j] = math.log2(groups_per_row)
+            names[i][j] = _short(r.winner)
             speedup[i][j] = r.speedup if r.speedup is not None else math.nan
         panels = (
-            (row_axes[0], winner, "winner kv_split", "viridis", lambda v: f"{2 ** round(v)}", (0, 4)),
-            (row_axes[1], speedup, "speed-up over kv_split=1", "magma", lambda v: f"{v:.2f}", (None, None)),
+            (row_axes[0], winner, "winner config (colour: groups per row)", "viridis",
+             lambda v, i, j: names[i][j], (0, 9)),
+            (row_axes[1], speedup, "speed-up over kv_split=1", "magma",
+             lambda v, i, j: f"{v:.2f}", (None, None)),
         )
         for ax, grid, title, cmap, fmt, (vmin, vmax) in panels:
             image = ax.imshow(grid, origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
@@ -86,7 +100,7 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
                             ax.text(
                                 j,
                                 i,
-                                fmt(value),
+                                fmt(value, i, j),
                                 ha="center",
                                 va="center",
                                 fontsize=6,
@@ -94,7 +108,7 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
                             )
             bar = fig.colorbar(image, ax=ax, shrink=0.8)
             if ax is row_axes[0]:
-                bar.set_ticks(range(5), labels=["1", "2", "4", "8", "16"])
+                bar.set_ticks(range(0, 10, 2), labels=[str(2 ** t) for t in range(0, 10, 2)])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")

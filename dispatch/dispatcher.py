@@ -1,12 +1,13 @@
-"""Per-call choice of kv_split: cached choice -> constraints -> launch.
+"""Per-call choice of the kernel config: cached choice -> constraints -> launch.
 
 After the first call of a shape, :meth:`Dispatcher.choose` is one dictionary
 lookup (no SQL, no device sync, no allocation). The slow path, taken once per
 shape, decides in this order:
 
-1. a ``kv_split`` forced by the caller;
-2. ``KVSPLIT_MODE``: ``off`` (K = 1) or a fixed K; ``auto`` (default) and
-   ``cached`` go on;
+1. a ``kv_split`` forced by the caller (KvSplit family);
+2. ``KVSPLIT_MODE``: ``off`` (KvSplit K = 1), a fixed KvSplit K (``8``) or
+   a fixed DSplit config (``dsplit:SLICES:KV_SPLIT[:DEPTH]``, e.g. ``dsplit:4:16:8``);
+   ``auto`` (default) and ``cached`` go on;
 3. the tuning database (``KVSPLIT_DB``), loaded whole for this device and
    kernel build on first use;
 4. the tables shipped with the package for this device;
@@ -14,8 +15,9 @@ shape, decides in this order:
    heuristic serves, nothing is cached and the key is recorded as pending);
    ``cached``: the heuristic.
 
-Whatever the source, :func:`constrain` has the last word, so a tampered
-table can only cost speed.
+A choice is a :class:`Config` of either kernel family. Whatever the source,
+:func:`constrain_config` has the last word, so a tampered table can only
+cost speed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .constraints import KV_SPLITS, constrain
+from .constraints import (DSPLIT, DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
+                          Config, config_from, constrain_config, kvsplit_config)
 from .device import DeviceFacts
 from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
 from . import pending as pending_keys
@@ -36,7 +39,21 @@ __all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher
 
 log = logging.getLogger("kvsplit.dispatch")
 _LIBRARY_DB_TIMEOUT_S = 5.0
-MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS)
+MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
+    "dsplit:SLICES:KV_SPLIT[:DEPTH]",)
+
+
+def _fixed_config(mode: str) -> Config | None:
+    """The config a fixed ``KVSPLIT_MODE`` names (``8``, ``dsplit:4:16:8``), else None."""
+    if mode in MODES[3:3 + len(KV_SPLITS)]:
+        return kvsplit_config(int(mode))
+    family, *numbers = mode.split(":")
+    if family == "dsplit" and len(numbers) in (2, 3) and all(n.isdigit() for n in numbers):
+        config = Config(DSPLIT, *map(int, numbers))
+        if (config.slices in DSPLIT_SLICES and config.kv_split in DSPLIT_KV_SPLITS
+                and config.depth in DSPLIT_DEPTHS):
+            return config
+    return None
 
 
 def _env_int(name: str, raw: str | None) -> int | None:
@@ -86,17 +103,21 @@ def heuristic(num_splits: int) -> int:
 class Decision:
     """What the slow path chose for one shape, and why."""
 
-    kv_split: int
+    config: Config
     source: str          # forced, mode, database, shipped, tuned, heuristic, capture
     key: object = None   # the TuningKey, when one was looked up
     record: object = None  # the TuningRecord, when tuned in this process
+
+    @property
+    def kv_split(self) -> int:
+        return self.config.kv_split
 
 
 class Dispatcher:
     """Chooses kv_split per call; thread-safe; one per process (see :data:`dispatcher`)."""
 
     def __init__(self) -> None:
-        self._fast: dict[tuple, int] = {}
+        self._fast: dict[tuple, Config] = {}
         self._decisions: dict[tuple, Decision] = {}
         self._lock = threading.RLock()
         self._key_locks: dict[object, threading.Lock] = {}
@@ -107,13 +128,13 @@ class Dispatcher:
     # -- hot path ---------------------------------------------------------------------------
     def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
                partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
-               num_splits: int, rows: int, forced: int | None) -> int:
+               num_splits: int, rows: int, forced: int | None) -> Config:
         fast_key = (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows,
                     forced, _read_environment())
-        k = self._fast.get(fast_key)
-        if k is None:
-            k = self._slow(fast_key, device).kv_split
-        return k
+        config = self._fast.get(fast_key)
+        if config is None:
+            config = self._slow(fast_key, device).config
+        return config
 
     # -- slow path --------------------------------------------------------------------------
     def explain(self, facts: DeviceFacts, head_dim: int, partial_dtype: torch.dtype,
@@ -128,30 +149,36 @@ class Dispatcher:
          environment) = fast_key
         mode, max_split_raw, db_url = (_text(raw) for raw in environment)
         mode = mode or "auto"
-        if mode not in MODES:
-            raise ValueError(f"KVSPLIT_MODE must be one of {', '.join(MODES)}; got {mode!r}")
+        fixed = _fixed_config(mode)
+        if fixed is None and mode not in ("auto", "cached", "off"):
+            raise ValueError(f"KVSPLIT_MODE must be one of {', '.join(MODES)} (SLICES in "
+                             f"{DSPLIT_SLICES}, KV_SPLIT in {DSPLIT_KV_SPLITS}, DEPTH in "
+                             f"{DSPLIT_DEPTHS}); got {mode!r}")
         max_split = _env_int("KVSPLIT_MAX_SPLIT", max_split_raw)
 
-        def constrained(k: int) -> int:
-            return constrain(k, head_dim=head_dim, elem_bytes=partial_dtype.itemsize, rows=rows,
-                             num_splits=num_splits, sm_count=facts.sm_count if facts.is_cuda else None,
-                             max_split=max_split)
+        def constrained(config: Config | int) -> Config:
+            if isinstance(config, int):
+                config = kvsplit_config(config)
+            return constrain_config(config, head_dim=head_dim, elem_bytes=partial_dtype.itemsize,
+                                    rows=rows, num_splits=num_splits,
+                                    sm_count=facts.sm_count if facts.is_cuda else None,
+                                    max_split=max_split)
 
         capturing = (facts.is_cuda and torch.cuda.is_available()
                      and torch.cuda.is_current_stream_capturing())
         if forced:
             decision = Decision(constrained(forced), "forced")
         elif mode == "off":
-            decision = Decision(1, "mode")
-        elif mode != "auto" and mode != "cached":
-            decision = Decision(constrained(int(mode)), "mode")
+            decision = Decision(kvsplit_config(1), "mode")
+        elif fixed is not None:
+            decision = Decision(constrained(fixed), "mode")
         else:
             decision = self._lookup(facts, device, head_dim, partial_dtype, out_dtype,
                                     stats_format, num_splits, rows, mode, max_split, db_url,
                                     capturing, constrained)
         if decision.source != "capture":
             with self._lock:
-                self._fast[fast_key] = decision.kv_split
+                self._fast[fast_key] = decision.config
                 self._decisions[fast_key] = decision
         return decision
 
@@ -161,12 +188,12 @@ class Dispatcher:
 
         key = tuning_key(facts, _native.ext().build_hash, head_dim, dtype_name(partial_dtype),
                          dtype_name(out_dtype), STATS_FORMATS[stats_format], num_splits, rows)
-        stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
-        if stored is not None and stored.kv_split is not None:
-            return Decision(constrained(stored.kv_split), "database", key)
-        shipped = _shipped_table(facts).get(key.choice_key)
-        if shipped is not None and shipped.kv_split is not None:
-            return Decision(constrained(shipped.kv_split), "shipped", key)
+        stored = _runnable(self._table(facts, key.build_hash, db_url).get(key.choice_key))
+        if stored is not None:
+            return Decision(constrained(stored), "database", key)
+        shipped = _runnable(_shipped_table(facts).get(key.choice_key))
+        if shipped is not None:
+            return Decision(constrained(shipped), "shipped", key)
         if mode == "cached":
             return Decision(constrained(heuristic(num_splits)), "heuristic", key)
         if capturing:
@@ -181,9 +208,9 @@ class Dispatcher:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # concurrent callers of one key profile it once
             table = self._table(facts, key.build_hash, db_url)
-            stored = table.get(key.choice_key)
+            stored = _runnable(table.get(key.choice_key))
             if stored is not None:
-                return Decision(constrained(stored.kv_split), "database", key)
+                return Decision(constrained(stored), "database", key)
             # Tuned without the caller's cap: the record goes to a shared
             # database; the cap applies to this call through constrained().
             record = tune(key, device)
@@ -191,7 +218,7 @@ class Dispatcher:
             self._open_store(db_url).upsert(record)
             pending_keys.discard(key)
             log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
-            return Decision(constrained(record.winner.kv_split), "tuned", key, record)
+            return Decision(constrained(_runnable(record.winner)), "tuned", key, record)
 
     def _open_store(self, db_url: str | None):
         from ..db import open_store_for_library
@@ -221,6 +248,11 @@ class Dispatcher:
             if self._store is not None:
                 self._store.close()
             self._store = None
+
+
+def _runnable(winner) -> Config | None:
+    """The Config of a stored winner (a KernelConfig), None if absent or of an unknown family."""
+    return None if winner is None else config_from(winner.family, winner.params)
 
 
 _SHIPPED: dict[DeviceFacts, dict] = {}

@@ -58,13 +58,14 @@ def _report(partial_o: torch.Tensor, rows: int, elapsed_ms: float) -> None:
     decision = dispatcher.explain(device_facts(partial_o.device), HEAD_DIM, partial_o.dtype,
                                   partial_o.dtype, 0, NUM_SPLITS, rows)
     where = display_url(resolve_url(os.environ.get("KVSPLIT_DB")))
-    print(f"chosen kv_split = {decision.kv_split} ({decision.source}); first call took "
+    print(f"chosen config = {decision.config.label} ({decision.source}); first call took "
           f"{elapsed_ms:.1f} ms wall clock")
     if decision.record is not None:
-        print(f"profiled every valid K at the key's shape {decision.key.choice_key}:")
+        print(f"profiled the candidate configs at the key's shape {decision.key.choice_key}:")
+        width = max(len(c.config.label) for c in decision.record.candidates)
         for c in decision.record.candidates:
             mark = "  <- winner" if c.config == decision.record.winner else ""
-            print(f"  K={c.config.kv_split:<2}  median {c.median_us:9.2f} us  "
+            print(f"  {c.config.label:<{width}}  median {c.median_us:9.2f} us  "
                   f"(p10 {c.p10_us:.2f}, p90 {c.p90_us:.2f}, {c.samples} samples, "
                   f"{'matches K=1' if c.matched else 'MISMATCH'}){mark}")
         print(f"stored in {where}")

@@ -17,6 +17,7 @@ import torch
 
 from . import _native
 from .dispatch import dispatcher
+from .dispatch.constraints import Config
 from .dispatch.device import device_facts
 
 HEAD_DIMS = (64, 128, 256, 512)
@@ -156,9 +157,12 @@ def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> No
 
 def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_stats,
             log2_scale: float, export_scale: float, kv_split: int, fresh_out: bool = False,
-            exact: bool = False) -> None:
-    """Validates addresses, chooses K (``exact``: run ``kv_split`` as given, for the
-    tuner, whose candidates already satisfy the constraints) and launches."""
+            config: Optional[Config] = None) -> None:
+    """Validates addresses, chooses the kernel config and launches.
+
+    ``kv_split`` (0: none) is the caller's request, which the dispatcher
+    constrains; a ``config`` (the tuner's candidates, already valid) runs as given.
+    """
     _check_alignment(partial_o, stats, out)
     if not fresh_out:  # outputs allocated by the wrapper cannot alias anything
         _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats)
@@ -166,7 +170,7 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
     if rows == 0:
         return
     facts = device_facts(partial_o.device)
-    k = kv_split if exact else dispatcher.choose(
+    family, slices, k, depth = config if config is not None else dispatcher.choose(
         facts, partial_o.device, head_dim, partial_o.dtype, out.dtype, stats_format,
         num_splits, rows, kv_split or None)
     args = (
@@ -177,7 +181,7 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
         num_splits, rows, sinks.numel() if sinks is not None else 1,
         partial_o.stride(0), partial_o.stride(1), stats.stride(0), stats.stride(1), out.stride(0),
         log2_scale, export_scale, head_dim, _DTYPE_CODES[partial_o.dtype],
-        _DTYPE_CODES[out.dtype], stats_format, k,
+        _DTYPE_CODES[out.dtype], stats_format, family, slices, k, depth,
     )
     if facts.is_cuda:
         if not _native.has_cuda_kernels():

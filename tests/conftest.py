@@ -20,6 +20,7 @@ import torch
 import kvsplit
 from kvsplit import _native, reference
 from kvsplit.dispatch import dispatcher
+from kvsplit.dispatch.constraints import KVSPLIT
 
 LOG2E = 1.0 / math.log(2.0)
 BASES = {"lse2": 2.0, "lsee": math.e}
@@ -205,9 +206,10 @@ def chosen_kv_split(monkeypatch):
     choose = dispatcher.choose
 
     def spy(*args, **kwargs):
-        k = choose(*args, **kwargs)
-        chosen.append(k)
-        return k
+        config = choose(*args, **kwargs)
+        # A KvSplit config is recorded as its K, any other config as itself.
+        chosen.append(config.kv_split if config.family == KVSPLIT else config)
+        return config
 
     monkeypatch.setattr(dispatcher, "choose", spy)
     return chosen

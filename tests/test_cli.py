@@ -254,7 +254,7 @@ def run_demo(env) -> subprocess.CompletedProcess:
 def test_demo_tunes_once_then_a_new_process_reuses_the_stored_choice(env):
     first = run_demo(env)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "(tuned)" in first.stdout and "profiled every valid K" in first.stdout
+    assert "(tuned)" in first.stdout and "profiled the candidate configs" in first.stdout
     assert f"stored in {display_url(env.url)}" in first.stdout
     assert first.stdout.rstrip().endswith("OK")
     records = stored(env.url)
@@ -265,6 +265,6 @@ def test_demo_tunes_once_then_a_new_process_reuses_the_stored_choice(env):
     assert "(database)" in second.stdout and "reused the stored choice" in second.stdout
     assert "profiled" not in second.stdout and "stored in" not in second.stdout
     assert second.stdout.rstrip().endswith("OK")
-    chosen = [line for line in second.stdout.splitlines() if line.startswith("chosen kv_split")]
-    assert chosen and f"= {records[0].winner.kv_split} " in chosen[0]
+    chosen = [line for line in second.stdout.splitlines() if line.startswith("chosen config")]
+    assert chosen and f"= {records[0].winner.label} " in chosen[0]
     assert len(stored(env.url)) == 1

@@ -520,9 +520,11 @@ def test_torch_compile_fullgraph(device, merge_kit):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_split", [None, 4])
-def test_cuda_graph_capture_and_replay(cuda_device, kv_split, merge_kit):
-    gen = merge_kit.generator("graph", kv_split)
+@pytest.mark.parametrize("kv_split, mode", [(None, None), (4, None), (None, "dsplit:4:16")])
+def test_cuda_graph_capture_and_replay(cuda_device, kv_split, mode, merge_kit, monkeypatch):
+    if mode:
+        monkeypatch.setenv("KVSPLIT_MODE", mode)
+    gen = merge_kit.generator("graph", kv_split, mode)
     num_splits, rows, head_dim = 24, 64, 512
     static_o, static_stats = to("cuda", *merge_kit.partials("maxsum", num_splits, rows, head_dim,
                                                             torch.bfloat16, gen))

@@ -11,11 +11,14 @@ from kvsplit.reference import merge_maxsum_reference, random_partials
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("dispatch_sandbox")]
 
 
-@pytest.mark.parametrize("kv_split", [1, 4, 8])
-def test_pdl_chained_after_a_producer(cuda_device, monkeypatch, kv_split):
+@pytest.mark.parametrize("kv_split, mode", [(1, None), (4, None), (8, None),
+                                           (None, "dsplit:4:16"), (None, "dsplit:2:32")])
+def test_pdl_chained_after_a_producer(cuda_device, monkeypatch, kv_split, mode):
     """The producer writes the partials right before the merge: PDL must wait for it."""
     monkeypatch.setenv("KVSPLIT_PDL", "1")
-    g = torch.Generator().manual_seed(kv_split)
+    if mode:
+        monkeypatch.setenv("KVSPLIT_MODE", mode)
+    g = torch.Generator().manual_seed(kv_split or 99)
     source_o, stats = random_partials(40, 48, 512, generator=g)
     source = source_o.to("cuda", torch.bfloat16)
     stats = stats.cuda()
@@ -34,8 +37,10 @@ def test_pdl_chained_after_a_producer(cuda_device, monkeypatch, kv_split):
     assert error < 4e-3
 
 
-def test_pdl_inside_a_cuda_graph(cuda_device, monkeypatch):
+@pytest.mark.parametrize("mode", ["4", "dsplit:2:8"])
+def test_pdl_inside_a_cuda_graph(cuda_device, monkeypatch, mode):
     monkeypatch.setenv("KVSPLIT_PDL", "1")
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
     g = torch.Generator().manual_seed(3)
     o, stats = random_partials(16, 64, 128, generator=g)
     o, stats = o.to("cuda", torch.bfloat16), stats.cuda()
@@ -45,12 +50,12 @@ def test_pdl_inside_a_cuda_graph(cuda_device, monkeypatch):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         static_o.copy_(o)
-        kvsplit.merge_maxsum(static_o, stats, 0.5, out=out, kv_split=4)
+        kvsplit.merge_maxsum(static_o, stats, 0.5, out=out)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_o.copy_(o * 1)
-        kvsplit.merge_maxsum(static_o, stats, 0.5, out=out, kv_split=4)
+        kvsplit.merge_maxsum(static_o, stats, 0.5, out=out)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -1,16 +1,136 @@
-// Reference kernels for the benchmark's floor: an empty kernel (the cost of a
-// launch in graph replay). Not used by the merge path.
+// Reference kernels for the benchmarks, not used by the merge path:
+// - an empty kernel: the cost of a launch in graph replay;
+// - a read probe: reads every input byte once and writes every output byte,
+//   with all loads independent and spread over the whole GPU. No merge of the
+//   same bytes can be faster, so best / probe is how far a merge is from
+//   the hardware at that shape;
+// - a producer that writes partials like an attention kernel, to chain with
+//   the merge (programmatic dependent launch on and off).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
+#include "kvsplit/device_common.cuh"
 #include "kvsplit/launch.h"
 
 namespace kvsplit {
+namespace {
+
+constexpr int kProbeThreads = 256;
+constexpr int kProbeChunksPerThread = 4;
+constexpr uint32_t kUnlikely = 0x9e3779b9u;
 
 __global__ void noop_kernel() {}
+
+__device__ __forceinline__ uint32_t fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+// Chunk c < o_chunks is partial_o's, then stats'. Each thread issues all of
+// its loads before using any; the XOR of what it read decides a store that
+// never happens in practice but that the compiler cannot drop.
+__global__ void __launch_bounds__(kProbeThreads)
+    read_probe_kernel(const uint4* o, int64_t o_chunks, const uint4* stats, int64_t stats_chunks,
+                      uint4* out, int64_t out_chunks, int64_t threads) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint4 loaded[kProbeChunksPerThread];
+#pragma unroll
+  for (int u = 0; u < kProbeChunksPerThread; ++u) {
+    const int64_t c = tid + u * threads;
+    loaded[u] = make_uint4(0, 0, 0, 0);
+    if (c < o_chunks) {
+      loaded[u] = __ldg(o + c);
+    } else if (c < o_chunks + stats_chunks) {
+      loaded[u] = __ldg(stats + (c - o_chunks));
+    }
+  }
+  uint32_t folded = 0;
+#pragma unroll
+  for (int u = 0; u < kProbeChunksPerThread; ++u) folded ^= fold(loaded[u]);
+  for (int64_t c = tid; c < out_chunks; c += threads) out[c] = loaded[0];
+  if (folded == kUnlikely && out_chunks > 0) out[0].x = folded;
+}
+
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// A uniform value in [lo, hi) from (index, seed).
+__device__ __forceinline__ float uniform(uint32_t index, uint32_t seed, float lo, float hi) {
+  return lo + (hi - lo) * (mix(index * 2654435761u + seed) >> 8) * (1.f / 16777216.f);
+}
+
+__global__ void __launch_bounds__(kProbeThreads)
+    producer_kernel(uint4* o, int64_t o_vecs, float2* stats, int64_t num_stats, uint32_t seed) {
+  pdl_wait();  // the previous merge may still be reading these buffers
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < o_vecs;
+       i += stride) {
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t index = static_cast<uint32_t>(i * 8 + 2 * w);
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(uniform(index, seed, -1.f, 1.f),
+                                                        uniform(index + 1, seed, -1.f, 1.f));
+      words[w] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    o[i] = make_uint4(words[0], words[1], words[2], words[3]);
+    if (i < num_stats) {
+      const uint32_t index = static_cast<uint32_t>(i);
+      stats[i] = make_float2(uniform(index, seed ^ 0x5bd1e995u, -2.f, 2.f),
+                             uniform(index, seed ^ 0x1b873593u, 1.f, 65.f));
+    }
+  }
+  pdl_trigger();
+}
+
+int64_t blocks_for(int64_t threads) { return (threads + kProbeThreads - 1) / kProbeThreads; }
+
+}  // namespace
 
 int launch_noop(int grid, void* stream) {
   noop_kernel<<<grid, 32, 0, static_cast<cudaStream_t>(stream)>>>();
   return static_cast<int>(cudaGetLastError());
+}
+
+int launch_read_probe(const void* partial_o, int64_t o_bytes, const void* stats,
+                      int64_t stats_bytes, void* out, int64_t out_bytes, void* stream) {
+  // Whole 16-byte chunks only: a stats tail under 16 bytes is left unread.
+  const int64_t o_chunks = o_bytes / 16;
+  const int64_t stats_chunks = stats_bytes / 16;
+  const int64_t out_chunks = out_bytes / 16;
+  const int64_t threads = (o_chunks + stats_chunks + kProbeChunksPerThread - 1) / kProbeChunksPerThread;
+  if (threads < 1) return 0;
+  read_probe_kernel<<<static_cast<unsigned>(blocks_for(threads)), kProbeThreads, 0,
+                      static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint4*>(partial_o), o_chunks, static_cast<const uint4*>(stats),
+      stats_chunks, static_cast<uint4*>(out), out_chunks, threads);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_producer(void* partial_o, int64_t o_elems, float* stats, int64_t num_stats, int seed,
+                    bool pdl, void* stream) {
+  const int64_t o_vecs = o_elems / 8;
+  const int64_t threads = o_vecs > num_stats ? o_vecs : num_stats;
+  int64_t blocks = blocks_for(threads);
+  if (blocks > 8192) blocks = 8192;
+  if (blocks < 1) return 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kProbeThreads);
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&config, producer_kernel, static_cast<uint4*>(partial_o),
+                                             o_vecs, reinterpret_cast<float2*>(stats), num_stats,
+                                             static_cast<uint32_t>(seed)));
 }
 
 }  // namespace kvsplit

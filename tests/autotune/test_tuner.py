@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from kvsplit import _native
 from kvsplit.autotune import tuner
 from kvsplit.autotune.timing import Timing
-from kvsplit.autotune.tuner import NOISE_MARGIN, Candidate, candidates, pick_winner, tune
+from kvsplit.autotune.tuner import NOISE_MARGIN, candidates, pick_winner, tune
 from kvsplit.db import DeviceInfo, KernelConfig, TuningKey, TuningRecord, open_store
 from kvsplit.db.transfer import tool_version
 from kvsplit.dispatch import dispatcher as dispatch_module
+from kvsplit.dispatch.constraints import DSPLIT, Config, kvsplit_config
 from kvsplit.dispatch.device import device_facts
 from kvsplit.dispatch.keys import device_info
 
@@ -65,30 +66,71 @@ def spec_valid(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split
 
 # -- candidates -------------------------------------------------------------------------------
 
+def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
+    """The DSplit rules, written out: 4..32 lanes of 16 bytes per slice, 32..512 threads."""
+    configs = []
+    for slices in (1, 2, 4, 8, 16):
+        lanes, rest = divmod(head_dim * elem_bytes, 16 * slices)
+        for k in (1, 2, 4, 8, 16, 32, 64, 128):
+            if (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
+                    and k <= num_splits and (max_split is None or k <= max_split)):
+                configs += [Config(DSPLIT, slices, k, depth) for depth in (4, 8)]
+    return configs
+
+
 @SETTINGS
 @given(head_dim=st.sampled_from([64, 128, 256, 512, 1024]),
        dtype=st.sampled_from(sorted(ELEM_BYTES)), num_splits=st.integers(1, 2048),
        rows=st.one_of(st.integers(1, 64), st.integers(1, 2_000_000)), sm_count=st.integers(1, 200),
        is_cuda=st.booleans(), max_split=st.one_of(st.none(), st.integers(1, 32)))
-def test_candidates_are_exactly_the_valid_kv_splits(head_dim, dtype, num_splits, rows, sm_count,
-                                                    is_cuda, max_split):
+def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_splits, rows,
+                                                           sm_count, is_cuda, max_split):
     key = TuningKey(device=DeviceInfo(name="GPU", cc_major=9, cc_minor=0, sm_count=sm_count),
                     build_hash="b", head_dim=head_dim, partial_dtype=dtype, out_dtype="bfloat16",
                     stats_format="maxsum", num_splits=num_splits, rows=rows)
-    found = candidates(key, max_split=max_split, is_cuda=is_cuda)
-    expected = [k for k in KV_SPLITS if spec_valid(
+    everything = candidates(key, max_split=max_split, is_cuda=is_cuda, pruned=False)
+    expected = [kvsplit_config(k) for k in KV_SPLITS if spec_valid(
         k, head_dim=head_dim, elem_bytes=ELEM_BYTES[dtype], rows=rows, num_splits=num_splits,
         sm_count=sm_count if is_cuda else None, max_split=max_split)]
-    assert [c.kv_split for c in found] == expected
-    assert all(c.family == "kvsplit" and c.to_db() == KernelConfig.kvsplit(c.kv_split) for c in found)
-    assert len(set(found)) == len(found)  # hashable configs
+    if is_cuda:  # DSplit slices are a GPU matter: the CPU tunes KvSplit only
+        expected += spec_dsplit(head_dim, ELEM_BYTES[dtype], num_splits, max_split)
+    assert everything == expected
+    assert all(tuner.to_db(c) == KernelConfig(family=c.family_name, params=c.params())
+               for c in everything)
+    assert len(set(everything)) == len(everything)  # hashable configs
+    pruned = candidates(key, max_split=max_split, is_cuda=is_cuda)
+    assert kvsplit_config(1) in pruned and set(pruned) <= set(everything)
+    if is_cuda:  # few enough to time within the first-use budget
+        assert len(pruned) <= 11
+        ks = {c.kv_split for c in pruned if c.kv_split > 1}
+        assert len(ks) <= 2 and (not ks or max(ks) <= max(1, num_splits // 2))
+    else:
+        assert pruned == everything
+
+
+@pytest.mark.parametrize("head_dim, rows, num_splits, kept", [
+    # (D, rows, N) -> configs the H200 sweep found best or within 2 % of it (docs/benchmarks.md)
+    (512, 64, 132, Config(DSPLIT, 4, 16, 8)),
+    (128, 32, 264, Config(DSPLIT, 4, 64, 8)),
+    (128, 256, 132, Config(DSPLIT, 1, 16, 8)),
+    (512, 512, 132, Config(DSPLIT, 2, 4, 4)),
+    (512, 2048, 16, kvsplit_config(1)),
+    (128, 2048, 32, kvsplit_config(4)),
+])
+def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
+    key = TuningKey(device=DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132),
+                    build_hash="b", head_dim=head_dim, partial_dtype="bfloat16",
+                    out_dtype="bfloat16", stats_format="maxsum", num_splits=num_splits, rows=rows)
+    pruned = candidates(key)
+    assert kept in pruned
+    assert len(pruned) < len(candidates(key, pruned=False)) / 3
 
 
 # -- the winner rule --------------------------------------------------------------------------
 
 def timings(**medians):
-    """{Candidate(K): Timing} from k1=..., k2=... medians in microseconds (spread +-5 %)."""
-    return {Candidate(int(name[1:])): Timing(m, 0.95 * m, 1.05 * m, 9) for name, m in medians.items()}
+    """{kvsplit_config(K): Timing} from k1=..., k2=... medians in microseconds (spread +-5 %)."""
+    return {kvsplit_config(int(name[1:])): Timing(m, 0.95 * m, 1.05 * m, 9) for name, m in medians.items()}
 
 
 @pytest.mark.parametrize("medians, margin, winner", [
@@ -104,20 +146,20 @@ def timings(**medians):
     (dict(k8=3.0), 0.02, 8),
 ])
 def test_pick_winner(medians, margin, winner):
-    assert pick_winner(timings(**medians), margin) == Candidate(winner)
+    assert pick_winner(timings(**medians), margin) == kvsplit_config(winner)
 
 
 def test_pick_winner_compares_medians_not_best_samples():
     noisy_but_slow = Timing(5.0, 1.0, 9.0, 9)
     steady = Timing(4.0, 3.9, 4.1, 9)
-    assert pick_winner({Candidate(1): noisy_but_slow, Candidate(2): steady}, 0.02) == Candidate(2)
+    assert pick_winner({kvsplit_config(1): noisy_but_slow, kvsplit_config(2): steady}, 0.02) == kvsplit_config(2)
 
 
 @SETTINGS
 @given(st.dictionaries(st.sampled_from(KV_SPLITS), st.floats(0.1, 1000.0), min_size=1),
        st.floats(0.0, 0.2))
 def test_pick_winner_is_the_smallest_k_within_the_margin_of_the_fastest(medians, margin):
-    table = {Candidate(k): Timing(m, m, m, 1) for k, m in medians.items()}
+    table = {kvsplit_config(k): Timing(m, m, m, 1) for k, m in medians.items()}
     winner = pick_winner(table, margin)
     best = min(medians.values())
     assert winner.kv_split in medians
@@ -135,7 +177,7 @@ def test_tune_profiles_every_valid_kv_split(head_dim, stats_format, dtype, tmp_p
     record = tune(key, CPU, replays=5)
     assert isinstance(record, TuningRecord) and record.key == key
     measured = [c.config for c in record.candidates]
-    assert sorted(measured, key=lambda c: c.kv_split) == [c.to_db() for c in candidates(key, is_cuda=False)]
+    assert sorted(measured, key=lambda c: c.kv_split) == [tuner.to_db(c) for c in candidates(key, is_cuda=False)]
     assert len(measured) == 5  # 1..16: the CPU has no grid budget
     assert all(c.matched for c in record.candidates)
     for c in record.candidates:
@@ -146,9 +188,9 @@ def test_tune_profiles_every_valid_kv_split(head_dim, stats_format, dtype, tmp_p
     assert record.tool_version == tool_version()
     assert record.speedup is not None and record.speedup >= 1.0
     # The winner follows the rule from the recorded measurements.
-    recorded = {Candidate(c.config.kv_split): Timing(c.median_us, c.p10_us, c.p90_us, c.samples)
+    recorded = {kvsplit_config(c.config.kv_split): Timing(c.median_us, c.p10_us, c.p90_us, c.samples)
                 for c in record.candidates}
-    assert pick_winner(recorded, record.policy.noise_margin).to_db() == record.winner
+    assert tuner.to_db(pick_winner(recorded, record.policy.noise_margin)) == record.winner
     # And the record is what the database accepts and gives back.
     with open_store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         store.upsert(record)
@@ -181,7 +223,7 @@ def test_tune_measures_the_kv_split_it_records_whatever_the_environment(monkeypa
             return getattr(ext, name)
 
         def merge_cpu(self, *args):
-            ran.append(args[-1])  # kv_split is the last argument
+            ran.append(args[-2])  # the arguments end with kv_split, depth
             return ext.merge_cpu(*args)
 
     monkeypatch.setattr(_native, "ext", lambda: Spy())
@@ -260,3 +302,16 @@ def test_when_every_k_above_1_disagrees_k1_wins(rigged):
     record = tune(cpu_key(64, 16, 8), CPU)
     assert record.winner == KernelConfig.kvsplit(1)
     assert [c.config.kv_split for c in record.candidates if c.matched] == [1]
+
+
+@pytest.mark.parametrize("medians, winner", [
+    ({kvsplit_config(8): 5.05, Config(DSPLIT, 4, 16): 5.0}, kvsplit_config(8)),   # fewer groups
+    ({kvsplit_config(8): 6.0, Config(DSPLIT, 4, 16): 5.0}, Config(DSPLIT, 4, 16)),
+    ({kvsplit_config(8): 5.0, Config(DSPLIT, 2, 4): 5.0}, kvsplit_config(8)),      # 8 groups each
+    ({Config(DSPLIT, 4, 4): 5.08, Config(DSPLIT, 2, 16): 5.0}, Config(DSPLIT, 4, 4)),
+    ({Config(DSPLIT, 2, 8): 5.0, Config(DSPLIT, 4, 4): 5.0}, Config(DSPLIT, 2, 8)),  # fewer slices
+    ({Config(DSPLIT, 2, 8, 8): 5.0, Config(DSPLIT, 2, 8, 4): 5.05}, Config(DSPLIT, 2, 8, 4)),
+])
+def test_pick_winner_prefers_the_simpler_config_among_near_ties(medians, winner):
+    table = {c: Timing(m, m, m, 1) for c, m in medians.items()}
+    assert pick_winner(table, 0.02) == winner

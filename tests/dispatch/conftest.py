@@ -21,6 +21,7 @@ from kvsplit.autotune import tuner
 from kvsplit.db import KernelConfig, TuningPolicy, TuningRecord, open_store
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
+from kvsplit.dispatch.constraints import KVSPLIT
 from kvsplit.dispatch.device import device_facts
 from kvsplit.dispatch.keys import tuning_key
 
@@ -102,12 +103,12 @@ def kernel_ks(monkeypatch):
     def spy(*args, **kwargs):
         depth.n = getattr(depth, "n", 0) + 1
         try:
-            k = target.choose(*args, **kwargs)
+            config = target.choose(*args, **kwargs)
         finally:
             depth.n -= 1
-        if depth.n == 0:
-            ks.append(k)
-        return k
+        if depth.n == 0:  # a KvSplit config as its K, any other config as itself
+            ks.append(config.kv_split if config.family == KVSPLIT else config)
+        return config
 
     monkeypatch.setattr(dispatch_module, "choose", spy)
     return SimpleNamespace(ks=ks, use=lambda d: setattr(target, "choose", d.choose))

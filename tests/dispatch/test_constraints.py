@@ -12,8 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsplit.dispatch.constraints import (KV_SPLITS, constrain, num_ctas, rows_per_cta,
-                                          valid_kv_splits, violations)
+from kvsplit.dispatch.constraints import (DSPLIT, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
+                                          KVSPLIT, Config, config_from, constrain,
+                                          constrain_config, dsplit_violations, kvsplit_config,
+                                          num_ctas, rows_per_cta, valid_configs, valid_kv_splits,
+                                          violations)
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None)
 
@@ -155,3 +158,61 @@ def test_known_cases(request_k, shape, expected):
 def test_constrain_rejects_a_k_outside_kv_splits(kv_split):
     with pytest.raises(ValueError, match="kv_split"):
         constrain(kv_split, head_dim=64, elem_bytes=2, rows=8, num_splits=8, sm_count=None)
+
+
+# -- the DSplit family and constrain_config ------------------------------------------------
+
+def spec_dsplit_valid(slices, k, *, head_dim, elem_bytes, num_splits, max_split):
+    """The DSplit rules, written out: a slice is 4..32 lanes of 16 bytes (a power of two),
+    a CTA 32..512 threads, K <= num_splits and K <= the cap (depth is mended separately)."""
+    lanes, rest = divmod(head_dim * elem_bytes, 16 * slices)
+    return (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
+            and k <= max(num_splits, 1) and (max_split is None or k <= max_split))
+
+
+@SETTINGS
+@given(st.sampled_from(DSPLIT_SLICES + (3, 32)), st.sampled_from(DSPLIT_KV_SPLITS + (256,)),
+       st.sampled_from((4, 8, 6)), shapes)
+def test_constrain_config_mends_dsplit_by_halving_or_falls_back(slices, k_requested, depth, shape):
+    config = constrain_config(Config(DSPLIT, slices, k_requested, depth), **shape)
+    rules = dict(head_dim=shape["head_dim"], elem_bytes=shape["elem_bytes"],
+                 num_splits=shape["num_splits"], max_split=shape["max_split"])
+    fitting = [k for k in DSPLIT_KV_SPLITS if k <= k_requested
+               and slices in DSPLIT_SLICES and k_requested in DSPLIT_KV_SPLITS
+               and spec_dsplit_valid(slices, k, **rules)]
+    if fitting:
+        assert config == Config(DSPLIT, slices, max(fitting), 8 if depth == 8 else 4)
+        assert not dsplit_violations(slices, config.kv_split, **rules)
+    else:  # KvSplit of the same K (at most 16), constrained
+        assert config == kvsplit_config(spec_constrain(min(k_requested, 16), **shape))
+
+
+@SETTINGS
+@given(st.sampled_from(KV_SPLITS), shapes)
+def test_constrain_config_of_kvsplit_is_constrain(k_requested, shape):
+    assert constrain_config(kvsplit_config(k_requested), **shape) == kvsplit_config(
+        constrain(k_requested, **shape))
+
+
+@SETTINGS
+@given(shapes)
+def test_valid_configs_are_exactly_those_that_constrain_leaves_alone(shape):
+    configs = valid_configs(**shape)
+    assert configs[0] == kvsplit_config(1)
+    everything = [kvsplit_config(k) for k in KV_SPLITS] + [
+        Config(DSPLIT, p, k, d) for p in DSPLIT_SLICES for k in DSPLIT_KV_SPLITS for d in (4, 8)]
+    for config in everything:
+        unchanged = constrain_config(config, **shape) == config
+        assert unchanged == (config in configs) or config == kvsplit_config(1)
+
+
+@pytest.mark.parametrize("family, params, expected", [
+    ("kvsplit", {"kv_split": 8}, Config(KVSPLIT, 1, 8)),
+    ("dsplit", {"depth": 8, "kv_split": 16, "slices": 4}, Config(DSPLIT, 4, 16, 8)),
+    ("dsplit", {"kv_split": 16}, None),
+    ("persistent", {"kv_split": 16}, None),
+])
+def test_stored_configs_become_launch_configs(family, params, expected):
+    assert config_from(family, params) == expected
+    if expected is not None:
+        assert expected.params() == params and expected.family_name == family

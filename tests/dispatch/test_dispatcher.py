@@ -21,10 +21,11 @@ import torch
 
 import kvsplit
 from kvsplit.autotune import tuner
-from kvsplit.db import DbWarning, DeviceInfo, dump_export, make_export, open_store
+from kvsplit.db import DbWarning, DeviceInfo, KernelConfig, dump_export, make_export, open_store
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
-from kvsplit.dispatch.constraints import KV_SPLITS, constrain, valid_kv_splits
+from kvsplit.dispatch.constraints import (DSPLIT, KV_SPLITS, Config, constrain, kvsplit_config,
+                                          valid_kv_splits)
 from kvsplit.dispatch.device import DeviceFacts, device_facts
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -179,6 +180,23 @@ def test_a_tampered_database_value_is_constrained(call, isolated, keys, merge_ki
     assert decision.source == "database"
     assert k == decision.kv_split == merge_kit.expected_kv_split(
         16, head_dim=512, elem_bytes=2, rows=8, num_splits=32) == 8
+
+
+@pytest.mark.usefixtures("no_tuning")
+@pytest.mark.parametrize("params, expected", [
+    ({"slices": 2, "kv_split": 8, "depth": 8}, Config(DSPLIT, 2, 8, 8)),  # valid: as stored
+    ({"slices": 2, "kv_split": 32, "depth": 4}, Config(DSPLIT, 2, 16)),   # 32 groups > 24
+    ({"slices": 16, "kv_split": 8, "depth": 4}, 8),   # partials: halved. 16 slices of 64 bf16
+])                                                    # are 1 lane each: KvSplit K = 8
+def test_a_stored_dsplit_winner_is_applied_after_its_rules(call, isolated, keys, params, expected):
+    key = keys.key_for(64, 24, 8)
+    record = keys.stored_record(key, 1).model_copy(
+        update={"winner": KernelConfig(family="dsplit", params=params)})
+    with open_store(isolated.url) as store:
+        store.upsert(record)
+    k, decision = call(head_dim=64, num_splits=24, rows=8)
+    assert decision.source == "database"
+    assert k == expected
 
 
 @pytest.fixture
@@ -344,17 +362,18 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
                             sm_count=132)
 
     for _ in range(2):  # met twice while capturing: recorded once
-        assert the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None) == heuristic_k == 4
+        chosen = the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None)
+        assert chosen == kvsplit_config(heuristic_k) and heuristic_k == 4
         assert tuner_calls.keys == []
         assert the_dispatcher.explain(gpu, *shape) is None  # nothing cached
         assert pending._keys == {key} and pending.load() == [key]
     assert len(isolated.pending_path.read_text().splitlines()) == 1
 
     capturing = False  # the next uncaptured call profiles the key and clears it from memory
-    k = the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None)
+    config = the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None)
     assert tuner_calls.keys == [key]
     decision = the_dispatcher.explain(gpu, *shape)
-    assert (decision.source, decision.kv_split) == ("tuned", k)
+    assert (decision.source, decision.config) == ("tuned", config)
     assert pending._keys == set()
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvsplit.dispatch import dispatcher as dispatch_module
-from kvsplit.dispatch.constraints import violations
+from kvsplit.dispatch.constraints import config_from, constrain_config
 from kvsplit.dispatch.device import DeviceFacts
 
 H200 = DeviceFacts("NVIDIA H200", 9, 0, 132, True)
@@ -32,11 +32,12 @@ def test_h200_table_covers_the_benchmark_grid():
 def test_h200_winners_satisfy_the_constraints_at_their_key():
     table = dispatch_module._shipped_table(H200)
     assert table
-    for (head_dim, dtype, _, _, num_splits, rows), config in table.items():
+    for (head_dim, dtype, _, _, num_splits, rows), winner in table.items():
         elem = torch.finfo(getattr(torch, dtype)).bits // 8
-        assert config.kv_split == 1 or not violations(
-            config.kv_split, head_dim=head_dim, elem_bytes=elem, rows=rows,
-            num_splits=num_splits, sm_count=132)
+        config = config_from(winner.family, winner.params)
+        assert config is not None, winner
+        assert constrain_config(config, head_dim=head_dim, elem_bytes=elem, rows=rows,
+                                num_splits=num_splits, sm_count=132) == config
 
 
 def test_other_devices_get_nothing_from_the_h200_table():
@@ -51,14 +52,18 @@ def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
     table = dispatch_module._shipped_table(H200)
     key = (512, "bfloat16", "bfloat16", "maxsum", 192, 64)
-    assert table[key].kv_split == 8
+    shipped = config_from(table[key].family, table[key].params)
+    assert shipped.kv_split >= 4  # the cap below must bite
     fresh = dispatch_module.Dispatcher()
-    k = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
-                     132, 64, None)
+    config = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
+                          132, 64, None)
     decision = fresh.explain(H200, 512, torch.bfloat16, torch.bfloat16, 0, 132, 64)
-    assert (k, decision.source) == (8, "shipped")
+    assert (config, decision.source) == (shipped, "shipped")
     # A cap still applies on top of the shipped choice.
     monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "2")
-    assert fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
-                        132, 64, None) == 2
+    capped = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
+                          132, 64, None)
+    assert capped == constrain_config(shipped, head_dim=512, elem_bytes=2, rows=64,
+                                      num_splits=132, sm_count=132, max_split=2)
+    assert capped.kv_split <= 2
     fresh.forget()

@@ -3,6 +3,7 @@
 // with the host C++ compiler alone, with no CUDA headers.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "kvsplit/params.h"
@@ -20,6 +21,14 @@ int merge_cuda(const MergeParams& params, const KernelChoice& choice, int sm_cou
 std::string cuda_error_string(int status);
 // An empty kernel of `grid` CTAs: the launch cost that bounds every merge from below.
 int launch_noop(int grid, void* stream);
+// Reads every byte of the partials and stats once and writes every output
+// byte: the time no merge can beat.
+int launch_read_probe(const void* partial_o, int64_t o_bytes, const void* stats,
+                      int64_t stats_bytes, void* out, int64_t out_bytes, void* stream);
+// Writes bf16 partials (values in [-1, 1)) and maxsum stats, like the
+// attention kernel before a merge, for chained (PDL) benchmarks.
+int launch_producer(void* partial_o, int64_t o_elems, float* stats, int64_t num_stats, int seed,
+                    bool pdl, void* stream);
 #endif
 
 }  // namespace kvsplit

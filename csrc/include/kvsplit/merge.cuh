@@ -8,12 +8,9 @@
 // shorter serial chains per thread.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
 
+#include "kvsplit/device_common.cuh"
 #include "kvsplit/dispatch.h"
 #include "kvsplit/merge_math.h"
 #include "kvsplit/params.h"
@@ -21,7 +18,6 @@
 namespace kvsplit {
 
 constexpr int kThreadsPerCta = 512;
-constexpr int kBytesPerThread = 16;
 constexpr int kCtasPerSm = 2;
 
 // Knobs for benchmarks/lab, which compiles variants side by side; the
@@ -38,71 +34,10 @@ constexpr int kCtasPerSm = 2;
 #endif
 constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
 
-template <DType kDType> struct CudaType;
-template <> struct CudaType<DType::kBFloat16> { using type = __nv_bfloat16; };
-template <> struct CudaType<DType::kFloat16> { using type = __half; };
-template <> struct CudaType<DType::kFloat32> { using type = float; };
-
-template <DType kDType>
-constexpr int elem_bytes() { return static_cast<int>(sizeof(typename CudaType<kDType>::type)); }
-
 // Whether one group of 512 / K threads, 16 bytes each, holds a whole row.
 template <int kHeadDim, DType kPartial, int kKvSplit>
 constexpr bool group_holds_row() {
   return (kThreadsPerCta / kKvSplit) * kBytesPerThread >= kHeadDim * elem_bytes<kPartial>();
-}
-
-// Element v of 16 packed bytes, as float. `v` is a compile-time constant after
-// unrolling, so the word index never sends `packed` to local memory.
-template <DType kDType>
-__device__ __forceinline__ float unpack(const uint4& packed, int v) {
-  const uint32_t* words = &packed.x;
-  if constexpr (kDType == DType::kFloat32) {
-    return __uint_as_float(words[v]);
-  } else if constexpr (kDType == DType::kBFloat16) {
-    const uint32_t word = words[v / 2];
-    return __uint_as_float(v % 2 ? word & 0xffff0000u : word << 16);
-  } else {
-    const uint32_t word = words[v / 2];
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(v % 2 ? word >> 16 : word)));
-  }
-}
-
-template <int kVec, DType kDType>
-__device__ __forceinline__ void store_vec(void* base, int64_t offset, const float (&src)[kVec]) {
-  static_assert(kVec % 2 == 0, "stores go in pairs");
-  using T = typename CudaType<kDType>::type;
-  uint32_t words[kVec / 2];
-#pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    if constexpr (kDType == DType::kBFloat16) {
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(src[2 * i], src[2 * i + 1]);
-      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    } else {
-      static_assert(kDType == DType::kFloat16, "outputs are 16-bit");
-      const __half2 pair = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
-      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    }
-  }
-  T* dst = static_cast<T*>(base) + offset;
-  if constexpr (kVec == 8) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
-  } else {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-  }
-}
-
-// Programmatic dependent launch: wait for the producer's writes before the
-// first load; let the next kernel start its prologue once our loads are done.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
 }
 
 template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>

@@ -40,12 +40,20 @@ struct MergeParams {
   float export_scale;
 };
 
+enum class Family : int {
+  kKvSplit = 0,  // merge.cuh: whole rows per group, kv_split groups per CTA
+  kDSplit = 1,   // merge_dsplit.cuh: a row's head dim split across `slices` CTAs
+};
+
 struct KernelChoice {
   int head_dim;
   DType partial_dtype;
   DType out_dtype;
   StatsFormat stats_format;
-  int kv_split;
+  Family family;
+  int slices;    // DSplit: CTAs per row (KvSplit: 1)
+  int kv_split;  // groups per CTA, each merging every kv_split-th partial
+  int depth;     // DSplit: partials loaded per round trip, 4 or 8 (KvSplit: 4)
 };
 
 }  // namespace kvsplit

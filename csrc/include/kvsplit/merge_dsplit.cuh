@@ -1,0 +1,210 @@
+// The DSplit merge kernel: a row's head dim split across `slices` CTAs.
+//
+// The KvSplit kernel gives a whole row to every group, so at decode shapes
+// (tens of rows) it keeps few SMs busy and each group walks many partials in
+// dependent rounds. Here one CTA owns one slice of one row: D / slices
+// elements, read by a group of `lanes` threads (16 bytes each, 4..32 lanes,
+// so a group never spans warps). The CTA holds `kv_split` such groups, each
+// merging partials g, g + K, g + 2K, ... with loops of the exact trip count:
+// a group of `count` partials loads them in rounds of up to kDepth (4 or 8),
+// the remainder first, so it waits on ceil(count / kDepth) round trips and
+// never loads a padded slot. Groups are combined with warp shuffles first;
+// across warps, every warp parks its total in shared memory and warp 0 folds
+// them with all 32 lanes, then shuffles again. Every CTA reads its row's
+// stats itself.
+//
+// Geometry is a runtime argument (all powers of two), so one kernel per
+// (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's
+// search costs few instantiations.
+#pragma once
+
+#include <cstdint>
+
+#include "kvsplit/device_common.cuh"
+#include "kvsplit/dsplit_geometry.h"
+#include "kvsplit/merge_math.h"
+#include "kvsplit/params.h"
+
+namespace kvsplit {
+
+
+struct DsplitGeometry {
+  int lanes_log2;     // threads per group = 16-byte vectors per slice
+  int kv_split_log2;  // groups per CTA
+  int slices_log2;    // CTAs per row
+  int slice_elems;    // head_dim / slices
+  int64_t items;      // rows * slices
+};
+
+// Loads kDepth partials (all loads issued before the first use) and folds them in.
+template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
+__device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
+                                                  const typename CudaType<kPartial>::type* o,
+                                                  const float* s, int64_t o_step, int64_t s_step,
+                                                  float log2_scale) {
+  uint4 packed[kDepth];
+  float m_in[kDepth], l_in[kDepth];
+#pragma unroll
+  for (int u = 0; u < kDepth; ++u) {
+    packed[u] = __ldg(reinterpret_cast<const uint4*>(o + u * o_step));
+    m_in[u] = __ldg(s + u * s_step) * log2_scale;
+    l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
+  }
+  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
+}
+
+template <int kVec>
+__device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int offset) {
+  float acc_other[kVec];
+  const float m_other = __shfl_xor_sync(0xffffffffu, state.m, offset);
+  const float l_other = __shfl_xor_sync(0xffffffffu, state.l, offset);
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) acc_other[v] = __shfl_xor_sync(0xffffffffu, state.acc[v], offset);
+  state.combine(m_other, l_other, acc_other, 1);
+}
+
+// The first round of a group: its `first` (1..kDepth) partials, one template
+// case each so that every load is issued before the first use.
+template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
+__device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
+                                                  const typename CudaType<kPartial>::type* o,
+                                                  const float* s, int64_t o_step, int64_t s_step,
+                                                  float log2_scale) {
+#define KVSPLIT_FIRST_ROUND(N)                                                                    \
+  case N:                                                                                         \
+    if constexpr (N <= kDepth) {                                                                  \
+      merge_exact_batch<N, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale);           \
+    }                                                                                             \
+    break;
+  switch (first) {
+    KVSPLIT_FIRST_ROUND(1) KVSPLIT_FIRST_ROUND(2) KVSPLIT_FIRST_ROUND(3) KVSPLIT_FIRST_ROUND(4)
+    KVSPLIT_FIRST_ROUND(5) KVSPLIT_FIRST_ROUND(6) KVSPLIT_FIRST_ROUND(7) KVSPLIT_FIRST_ROUND(8)
+    default: break;
+  }
+#undef KVSPLIT_FIRST_ROUND
+}
+
+template <int kVec>
+__device__ __forceinline__ void park(float* parked, int stride, int slot,
+                                     const MergeState<kVec>& state) {
+  parked[slot] = state.m;
+  parked[stride + slot] = state.l;
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
+}
+
+template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth>
+__global__ void __launch_bounds__(kDsplitMaxThreads)
+    dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  using Partial = typename CudaType<kPartial>::type;
+  // Each warp parks its total (m, l, acc) here for warp 0:
+  // [2 + kVec][warps][lanes] floats, sized at launch.
+  extern __shared__ float parked[];
+
+  const int lanes = 1 << geo.lanes_log2;
+  const int kv_split = 1 << geo.kv_split_log2;
+  const int group = threadIdx.x >> geo.lanes_log2;
+  const int lane = threadIdx.x & (lanes - 1);
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int parked_stride = warps * lanes;
+
+  pdl_wait();
+  for (int64_t item = blockIdx.x; item < geo.items; item += gridDim.x) {
+    const int64_t row = item >> geo.slices_log2;
+    const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
+                    lane * kVec;
+    int num_splits = static_cast<int>(p.num_splits);
+    if (p.split_counts != nullptr) {
+      num_splits = min(max(__ldg(p.split_counts + row), 0), num_splits);
+    }
+    MergeState<kVec> state;
+    state.reset();
+    if (group < num_splits) {
+      const int count = ((num_splits - group - 1) >> geo.kv_split_log2) + 1;
+      const int first = count - (count - 1) / kDepth * kDepth;  // 1..kDepth
+      const Partial* o = static_cast<const Partial*>(p.partial_o) + group * p.o_stride_split +
+                         row * p.o_stride_row + col;
+      const float* s = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
+      const int64_t o_step = kv_split * p.o_stride_split;
+      const int64_t s_step = kv_split * p.stats_stride_split;
+      merge_first_round<kDepth, kPartial, kFormat>(state, first, o, s, o_step, s_step,
+                                                   p.log2_scale);
+      o += first * o_step;
+      s += first * s_step;
+      for (int done = first; done < count; done += kDepth) {
+        merge_exact_batch<kDepth, kPartial, kFormat>(state, o, s, o_step, s_step, p.log2_scale);
+        o += kDepth * o_step;
+        s += kDepth * s_step;
+      }
+    }
+    // Every load of this item is done: the next kernel may start its prologue.
+    pdl_trigger();
+
+    // Groups of one warp: butterfly over the lane bits above the group's own.
+    for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
+    if (warps > 1) {
+      // Warp w's total goes to slots [w * lanes, (w + 1) * lanes). Lane j of
+      // warp 0 then folds the totals of warps j / lanes, j / lanes + 32 / lanes,
+      // ... for column j % lanes, and a second butterfly joins the lanes.
+      if ((threadIdx.x & 31) < lanes) park(parked, parked_stride, warp * lanes + lane, state);
+      __syncthreads();
+      if (warp == 0) {
+        state.reset();
+        for (int slot = threadIdx.x; slot < parked_stride; slot += 32) {
+          state.combine(parked[slot], parked[parked_stride + slot],
+                        &parked[2 * parked_stride + slot], parked_stride);
+        }
+        for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
+      }
+    }
+
+    if (threadIdx.x < lanes) {
+      const float sink_log2 =
+          p.sinks != nullptr ? __ldg(p.sinks + row % p.heads) * kLog2E : neg_inf();
+      float out[kVec], log2_total;
+      const float total = state.finalize(sink_log2, out, log2_total);
+      store_vec<kVec, kOut>(p.out, row * p.out_stride_row + col, out);
+      if (p.out_stats != nullptr && col == 0) {
+        if constexpr (kFormat == StatsFormat::kMaxSum) {
+          p.out_stats[2 * row] = state.m * p.export_scale;
+          p.out_stats[2 * row + 1] = total;
+        } else {
+          p.out_stats[row] = log2_total * p.export_scale;
+        }
+      }
+    }
+    if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
+  }
+}
+
+// Launches after checking the geometry (throws naming the bad value).
+template <DType kPartial, DType kOut, StatsFormat kFormat>
+cudaError_t launch_dsplit_typed(const MergeParams& p, int head_dim, int slices, int kv_split,
+                                int depth, bool pdl, cudaStream_t stream) {
+  const int lanes = dsplit_lanes(head_dim, elem_bytes<kPartial>(), slices, kv_split, depth);
+  const int threads = lanes * kv_split;
+  if (p.rows == 0) return cudaSuccess;
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  const DsplitGeometry geo{exact_log2(lanes), exact_log2(kv_split), exact_log2(slices),
+                           head_dim / slices, p.rows * slices};
+  const int warps = threads / 32;
+  constexpr int64_t kGridCap = int64_t{1} << 30;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(geo.items < kGridCap ? geo.items : kGridCap));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  if (depth == 8) {
+    return cudaLaunchKernelEx(&config, dsplit_kernel<kPartial, kOut, kFormat, 8>, p, geo);
+  }
+  return cudaLaunchKernelEx(&config, dsplit_kernel<kPartial, kOut, kFormat, 4>, p, geo);
+}
+
+}  // namespace kvsplit

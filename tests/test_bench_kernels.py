@@ -1,0 +1,49 @@
+"""The benchmarks' reference kernels (csrc/cuda/probe.cu) do what their tables claim.
+
+The read probe must really read the partials (its stores depend on them), and
+the producer must write every partial and stat with values an attention
+kernel could give, so that a chained merge has real work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplit import _native
+
+pytestmark = pytest.mark.gpu
+
+
+def stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def test_read_probe_writes_what_it_read(cuda_device):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    o = torch.randn(24, 32, 128, generator=g, device="cuda").to(torch.bfloat16)
+    stats = torch.randn(24, 32, 2, generator=g, device="cuda")
+    out = torch.full((32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _native.ext().launch_read_probe(o.data_ptr(), o.numel() * 2, stats.data_ptr(),
+                                    stats.numel() * 4, out.data_ptr(), out.numel() * 2, stream())
+    torch.cuda.synchronize()
+    # Thread c stores the first chunk it loaded, which is chunk c of the partials.
+    assert torch.equal(out.flatten(), o.flatten()[:out.numel()])
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_producer_fills_partials_and_stats(cuda_device, pdl):
+    o = torch.full((16, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stats = torch.full((16, 64, 2), float("nan"), device="cuda")
+    _native.ext().launch_producer(o.data_ptr(), o.numel(), stats.data_ptr(), 16 * 64, 7, pdl,
+                                  stream())
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not stats.isnan().any()
+    assert o.abs().max() <= 1 and o.float().std() > 0.5
+    assert stats[..., 0].abs().max() <= 2 and stats[..., 1].min() >= 1
+    assert stats[..., 1].max() <= 65
+    again = torch.empty_like(o)
+    _native.ext().launch_producer(again.data_ptr(), o.numel(), stats.data_ptr(), 16 * 64, 8, pdl,
+                                  stream())
+    torch.cuda.synchronize()
+    assert not torch.equal(again, o)  # the seed changes the values

@@ -1,0 +1,179 @@
+"""Numerics of the DSplit family (a row's head dim split across CTAs).
+
+Each config is pinned with ``KVSPLIT_MODE=dsplit:SLICES:KV_SPLIT`` and run
+through the public merge functions, on the CPU twin and on CUDA where it can,
+against the float64 reference and against KvSplit K = 1 on fresh random data.
+The valid configs are written out here from the family's rules, independently
+of dispatch/: a slice is 4..32 vectors of 16 bytes (a power of two), a CTA has
+32..512 threads, kv_split <= num_splits, and a round loads 4 or 8 partials.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplit import merge
+from kvsplit.dispatch.constraints import DSPLIT, Config
+
+FORMATS = ["maxsum", "lse2", "lsee"]
+DTYPES = [
+    pytest.param((torch.bfloat16, torch.bfloat16), id="bf16-bf16"),
+    pytest.param((torch.float16, torch.float16), id="fp16-fp16"),
+    pytest.param((torch.float32, torch.bfloat16), id="fp32-bf16"),
+    pytest.param((torch.float32, torch.float16), id="fp32-fp16"),
+]
+HEAD_DIMS = [64, 128, 256, 512]
+
+pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
+
+
+def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Config]:
+    configs = []
+    for slices in (1, 2, 4, 8, 16):
+        vectors, rest = divmod(head_dim * elem_bytes, 16 * slices)
+        if rest or vectors not in (4, 8, 16, 32):
+            continue
+        for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
+            if 32 <= vectors * kv_split <= 512 and kv_split <= num_splits:
+                configs += [Config(DSPLIT, slices, kv_split, depth) for depth in (4, 8)]
+    return configs
+
+
+def pin(monkeypatch, config: Config) -> None:
+    monkeypatch.setenv("KVSPLIT_MODE",
+                       f"dsplit:{config.slices}:{config.kv_split}:{config.depth}")
+
+
+def out_kwargs(rows, head_dim, dtypes, device):
+    partial_dtype, out_dtype = dtypes
+    if partial_dtype == torch.float32 and out_dtype == torch.float16:
+        return {"out": torch.empty(rows, head_dim, dtype=out_dtype, device=device)}
+    return {}
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_config_matches_reference_and_k1(device, fmt, dtypes, head_dim, merge_kit,
+                                                chosen_kv_split, monkeypatch):
+    """Sinks, split counts, empty splits and exported stats; split-major and row-major layouts."""
+    partial_dtype = dtypes[0]
+    gen = merge_kit.generator("dsplit", fmt, str(dtypes), head_dim)
+    num_splits = int(torch.randint(33, 61, (), generator=gen))  # every kv_split <= 32 fits
+    rows, heads = 4 * int(torch.randint(1, 5, (), generator=gen)), 4
+    partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, partial_dtype, gen,
+                                          empty_fraction=0.3)
+    split_counts = torch.randint(0, num_splits + 3, (rows,), generator=gen, dtype=torch.int32)
+    sinks = torch.randn(heads, generator=gen) + 2.0
+    scale = merge_kit.scale_log2(gen)
+    expected_ref = merge_kit.reference(fmt, partial_o, stats, scale=scale, sinks=sinks,
+                                       split_counts=split_counts)
+    # The same values stored row-major: (rows, num_splits, head_dim) seen as split-major.
+    row_major_o = partial_o.transpose(0, 1).contiguous().transpose(0, 1)
+    layouts = {"split-major": partial_o, "row-major": row_major_o}
+
+    def run(o):
+        inputs = [t.to(device) for t in (o, stats, sinks, split_counts)]
+        return merge_kit.merge(fmt, *inputs[:2], scale=scale, sinks=inputs[2],
+                               split_counts=inputs[3], kv_split=None,
+                               **out_kwargs(rows, head_dim, dtypes, device))
+
+    monkeypatch.setenv("KVSPLIT_MODE", "off")
+    base_out, base_stats = run(partial_o)
+    configs = spec_configs(head_dim, partial_dtype.itemsize, num_splits)
+    assert len(configs) >= 14  # every head dim has several slice widths and group counts
+    for i, config in enumerate(configs):
+        pin(monkeypatch, config)
+        out, out_stats = run(list(layouts.values())[i % 2])
+        merge_kit.assert_matches_reference(out, out_stats, *expected_ref)
+        merge_kit.assert_same_function(fmt, out, out_stats, base_out, base_stats)
+    assert chosen_kv_split == [1] + configs
+
+
+@pytest.mark.parametrize("dtypes, head_dim, slices", [
+    pytest.param((torch.bfloat16, torch.bfloat16), 128, 4, id="bf16-128-4lanes"),
+    pytest.param((torch.bfloat16, torch.bfloat16), 128, 2, id="bf16-128-8lanes"),
+    pytest.param((torch.float32, torch.float16), 64, 4, id="fp32-64-4lanes"),
+])
+@pytest.mark.parametrize("fmt", ["maxsum", "lsee"])
+def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, chosen_kv_split,
+                             monkeypatch):
+    """kv_split 64 and 128: up to 16 warps per CTA, folded across warps by warp 0."""
+    gen = merge_kit.generator("many", fmt, str(dtypes), head_dim, slices)
+    num_splits, rows = 150, 4
+    partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, dtypes[0], gen,
+                                          empty_fraction=0.3)
+    split_counts = torch.randint(0, num_splits + 3, (rows,), generator=gen, dtype=torch.int32)
+    scale = merge_kit.scale_log2(gen)
+    lanes = head_dim * dtypes[0].itemsize // 16 // slices
+    configs = [Config(DSPLIT, slices, k, depth) for k in (64, 128) if lanes * k <= 512
+               for depth in (4, 8)]
+    for config in configs:
+        pin(monkeypatch, config)
+        out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale,
+                                         split_counts=split_counts.to(device),
+                                         **out_kwargs(rows, head_dim, dtypes, device))
+        merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
+            fmt, partial_o, stats, scale=scale, split_counts=split_counts))
+    assert configs and chosen_kv_split == configs
+
+
+@pytest.mark.parametrize("depth", [4, 8])
+@pytest.mark.parametrize("kv_split", [4, 8])
+def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, merge_kit,
+                                                 chosen_kv_split, monkeypatch):
+    """Groups of 1..13 partials (a first round of 1..depth, then full rounds), some rows empty."""
+    head_dim, config = 128, Config(DSPLIT, 2, kv_split, depth)
+    for num_splits in range(kv_split, kv_split * 4 + 2):
+        gen = merge_kit.generator("trip", kv_split, num_splits)
+        partial_o, stats = merge_kit.partials("maxsum", num_splits, 12, head_dim, torch.bfloat16,
+                                              gen)
+        split_counts = torch.randint(0, num_splits + 1, (12,), generator=gen, dtype=torch.int32)
+        split_counts[0] = 0
+        scale = merge_kit.scale_log2(gen)
+        pin(monkeypatch, config)
+        out, out_stats = merge_kit.merge("maxsum", partial_o.to(device), stats.to(device),
+                                         scale=scale, split_counts=split_counts.to(device))
+        merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
+            "maxsum", partial_o, stats, scale=scale, split_counts=split_counts))
+        assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
+    assert chosen_kv_split == [config] * (kv_split * 3 + 2)
+
+
+def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split, monkeypatch):
+    """Too many groups for the partials are halved; an impossible slice falls back to KvSplit."""
+    gen = merge_kit.generator("pinned")
+    partial_o, stats = merge_kit.partials("maxsum", 12, 8, 512, torch.bfloat16, gen)
+    for mode in ("dsplit:4:32", "dsplit:1:16"):
+        monkeypatch.setenv("KVSPLIT_MODE", mode)
+        out, out_stats = merge_kit.merge("maxsum", partial_o.to(device), stats.to(device))
+        merge_kit.assert_matches_reference(out, out_stats,
+                                           *merge_kit.reference("maxsum", partial_o, stats))
+    # 4 slices of 512 bf16 are 16 lanes: 32 groups > 12 partials -> 8. One slice
+    # would be 64 lanes, more than a warp: KvSplit K = 16, which a 1 KiB row cuts to 8.
+    assert chosen_kv_split == [Config(DSPLIT, 4, 8), 8]
+
+
+@pytest.mark.parametrize("mode", ["dsplit:3:4", "dsplit:4", "dsplit:4:256", "dsplit:4:16:6",
+                                  "dsplit:4:16:8:1", "split:4:4"])
+def test_a_bad_mode_is_refused_naming_the_variable(mode, merge_kit, monkeypatch):
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 128, torch.bfloat16,
+                                          merge_kit.generator("mode", mode))
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
+    with pytest.raises(ValueError, match="KVSPLIT_MODE"):
+        merge_kit.merge("maxsum", partial_o, stats)
+
+
+@pytest.mark.parametrize("slices, kv_split, depth", [(3, 8, 4), (16, 8, 4), (1, 64, 4), (2, 1, 4),
+                                                     (2, 8, 6)])
+def test_the_kernels_refuse_an_impossible_geometry(device, slices, kv_split, depth, merge_kit):
+    """The launchers' own check (the dispatcher never sends these): nothing is written."""
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 128, torch.bfloat16,
+                                          merge_kit.generator("geometry", slices, kv_split, depth))
+    partial_o, stats = partial_o.to(device), stats.to(device)
+    out = torch.full((4, 128), 7.0, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="unsupported (slices|kv_split|depth)"):
+        merge._launch(merge.MAXSUM, partial_o, stats, None, None, out, None, 1.0, merge._LN2, 0,
+                      config=Config(DSPLIT, slices, kv_split, depth))
+    assert torch.equal(out.cpu(), torch.full((4, 128), 7.0, dtype=torch.bfloat16))

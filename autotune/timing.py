@@ -71,6 +71,46 @@ def time_cuda_graph(launch: Callable[[int], None], *, batch: int = 32, replays: 
     return summarize(samples)
 
 
+def time_cuda_graphs(launches: dict, *, batch: int = 12, replays: int = 11,
+                     warmup: int = 2) -> dict:
+    """Per-launch times of several ``launch(i)`` functions, compared fairly.
+
+    Each is captured ``batch`` times in its own graph; the graphs are then
+    replayed in turns, ``replays`` rounds, with no host synchronisation until
+    the end, so that clock drift or a busy neighbour touches every candidate
+    alike and the host's round trips are not paid per sample.
+    Returns ``{key: Timing}`` for the keys of ``launches``.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for launch in launches.values():
+            for i in range(warmup):
+                launch(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = {}
+    for key, launch in launches.items():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(batch):
+                launch(i)
+        graph.replay()
+        graphs[key] = graph
+    marks = {key: [] for key in graphs}
+    for _ in range(replays):
+        for key, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            marks[key].append((start, end))
+    torch.cuda.synchronize()
+    timings = {key: summarize([s.elapsed_time(e) * 1000.0 / batch for s, e in pairs])
+               for key, pairs in marks.items()}
+    del graphs
+    return timings
+
+
 def time_cuda_stream(launch: Callable[[int], None], *, batch: int = 100, replays: int = 5) -> Timing:
     """Per-launch time of back-to-back eager launches (host launch rate included)."""
     launch(0)

@@ -25,7 +25,7 @@ import torch
 
 import kvsplit
 from kvsplit import _native, merge
-from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
+from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graphs
 from kvsplit.dispatch.constraints import valid_configs
 from kvsplit.dispatch.device import device_facts
 from kvsplit.dispatch.dispatcher import dispatcher
@@ -48,11 +48,13 @@ def regret(g, sm_count, shapes):
     for head_dim, rows, num_splits in shapes:
         o, stats = make(num_splits, rows, head_dim, g)
         out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
-        times = {c: time_cuda_graph(lambda i, c=c: merge._launch(
-            merge.MAXSUM, o, stats, None, None, out, None, 0.1, merge._LN2, 0,
-            config=c)).median_us
-                 for c in valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
-                                        num_splits=num_splits, sm_count=sm_count)}
+        configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
+                                num_splits=num_splits, sm_count=sm_count)
+        # Every config replayed in turns (fair against drift), as the tuner does.
+        timings = time_cuda_graphs({c: (lambda i, c=c: merge._launch(
+            merge.MAXSUM, o, stats, None, None, out, None, 0.1, merge._LN2, 0, config=c))
+            for c in configs}, batch=32, replays=15)
+        times = {c: t.median_us for c, t in timings.items()}
         torch.cuda.synchronize()
         begin = time.perf_counter()
         kvsplit.merge_maxsum(o, stats, 0.1, out=out)

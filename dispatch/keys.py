@@ -1,14 +1,16 @@
 """Tuning keys and the bucketing policy for rows and num_splits.
 
-Policy:
-- rows are rounded *up* to the nearest half-octave, i.e. the smallest value
-  of the form 2^e or 3 * 2^(e-1) that is >= rows (1, 2, 3, 4, 6, 8, 12, 16,
-  24, 32, 48, 64, 96, 128, 192, 256, ...): a bucket spans at most a factor
-  1.5 of grid size;
-- num_splits up to 64 is rounded up to a multiple of 4 (one batch of the
-  kernel's 4-deep loads): there, one batch more or less per group decides
-  between neighbouring K (on an H200, half-octave buckets cost up to 6 % at
-  N = 20, tuned as 24); above 64 it takes half-octaves like rows.
+Policy: a value is rounded *up* to a multiple of a step that is a fixed
+fraction of the power of two at or above it:
+- rows: step = that power / 8, at least 1 (exact up to 8; then 10, 12, ...
+  16, 20, ... 32, 40, ... 64, 80, ... 128, 160, ...): four buckets per
+  octave, at most 25 % above the value;
+- num_splits: step = that power / 16, at least 4 (multiples of 4 up to 64,
+  one batch of 4-deep loads; then 72, 80, ... 128, 144, ... 256, 288, ...):
+  eight buckets per octave, at most 12.5 % above.
+The DSplit family's best group count follows rows and num_splits closely
+(groups of a few partials, ~64K threads in all): half-octave buckets cost up
+to 12 % on an H200 at shapes the tuning grid did not see.
 The tuner profiles the bucket's own value (its upper end), and the
 constraints are always re-applied with the caller's exact shape.
 """
@@ -22,18 +24,21 @@ from .device import DeviceFacts
 STATS_FORMATS = {0: "maxsum", 1: "lse"}
 
 
-def bucket(value: int) -> int:
-    """Half-octave bucket (upper end) of a positive integer."""
-    if value <= 2:
-        return max(value, 1)
+def _round_up(value: int, per_octave: int, min_step: int) -> int:
+    value = max(value, 1)
     power = 1 << (value - 1).bit_length()  # smallest power of two >= value
-    three_quarters = power * 3 // 4
-    return three_quarters if value <= three_quarters else power
+    step = max(min_step, power // per_octave)
+    return -(-value // step) * step
+
+
+def bucket(value: int) -> int:
+    """rows bucket (upper end): a multiple of 1/8 of the power of two at or above."""
+    return _round_up(value, 8, 1)
 
 
 def bucket_num_splits(value: int) -> int:
-    """num_splits bucket: a multiple of 4 up to 64, then half-octaves."""
-    return -(-max(value, 1) // 4) * 4 if value <= 64 else bucket(value)
+    """num_splits bucket (upper end): a multiple of 1/16 of the power of two at or above, and of 4."""
+    return _round_up(value, 16, 4)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,7 @@ import torch
 import kvsplit
 from kvsplit.reference import attention_partials
 
-HEAD_DIM, HEADS, TOKENS, KV_LEN, NUM_SPLITS = 512, 16, 4, 8192, 32
+HEAD_DIM, HEADS, TOKENS, KV_LEN, NUM_SPLITS = 512, 16, 4, 8192, 48
 
 
 def run(device: str | None, seed: int) -> int:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvsplit.autotune.timing import Timing, summarize, time_cuda_graph, time_host
+from kvsplit.autotune.timing import Timing, summarize, time_cuda_graph, time_cuda_graphs, time_host
 
 
 def test_summarize_one_sample():
@@ -54,3 +54,27 @@ def test_time_cuda_graph_replays_a_captured_batch(cuda_device):
     assert indices == [0, 1] + [0, 1, 2, 3]  # warm-up, then captured once
     assert float(x[0]) == 2 + 4 * (1 + 3)  # the warm-up, one replay before timing, 3 timed
     assert timing.samples == 3 and 0 < timing.median_us < 1e4
+
+
+@pytest.mark.gpu
+def test_time_cuda_graphs_replays_every_batch_in_turns_and_orders_them(cuda_device):
+    x = torch.zeros(1024, device=cuda_device)
+    calls = []
+
+    def launcher(name, cycles):
+        def launch(i):
+            calls.append((name, i))
+            x.add_(1.0)
+            torch.cuda._sleep(cycles)
+        return launch
+
+    timings = time_cuda_graphs({"short": launcher("short", 1_000),
+                                "long": launcher("long", 200_000)}, batch=3, replays=5, warmup=1)
+    torch.cuda.synchronize()
+    assert calls == [("short", 0), ("long", 0)] + [("short", i) for i in range(3)] + [
+        ("long", i) for i in range(3)]
+    # warm-ups, one replay each before timing, then 5 timed rounds of both graphs
+    assert float(x[0]) == 2 + 2 * 3 * (1 + 5)
+    assert set(timings) == {"short", "long"}
+    assert all(t.samples == 5 for t in timings.values())
+    assert timings["long"].median_us > 10 * timings["short"].median_us

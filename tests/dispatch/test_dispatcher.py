@@ -237,24 +237,24 @@ def test_the_database_wins_over_the_shipped_table(call, isolated, keys, shipped_
 
 
 def test_a_stored_choice_serves_a_new_dispatcher_without_tuning(call, tuner_calls, kernel_ks, keys):
-    k, decision = call(num_splits=20, rows=7)
+    k, decision = call(num_splits=20, rows=10)
     assert decision.source == "tuned" and len(tuner_calls.keys) == 1
     # A new process: a new Dispatcher, the same database.
     fresh = dispatch_module.Dispatcher()
     kernel_ks.use(fresh)
     try:
-        again, _ = call(num_splits=20, rows=7, seed=1)
-        later = fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 20, 7)
-        assert (again, later.source, later.key) == (k, "database", keys.key_for(64, 20, 7))
-        # The same bucket (num_splits 18 -> 20, rows 7 -> 8) is the same key: no tuning.
-        _, same_bucket = call(num_splits=18, rows=8)
+        again, _ = call(num_splits=20, rows=10, seed=1)
+        later = fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 20, 10)
+        assert (again, later.source, later.key) == (k, "database", keys.key_for(64, 20, 10))
+        # The same bucket (num_splits 18 -> 20, rows 9 -> 10) is the same key: no tuning.
+        _, same_bucket = call(num_splits=18, rows=9)
         assert same_bucket is None  # it went through ``fresh``, not the module dispatcher
-        assert fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 18, 8).source == "database"
+        assert fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 18, 9).source == "database"
         assert len(tuner_calls.keys) == 1
-        # Another bucket (rows 6) is another key: tuned.
-        call(num_splits=20, rows=6)
-        assert fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 20, 6).source == "tuned"
-        assert tuner_calls.keys[1:] == [keys.key_for(64, 20, 6)]
+        # Another bucket (rows 8) is another key: tuned.
+        call(num_splits=20, rows=8)
+        assert fresh.explain(CPU_FACTS, 64, torch.bfloat16, torch.bfloat16, 0, 20, 8).source == "tuned"
+        assert tuner_calls.keys[1:] == [keys.key_for(64, 20, 8)]
     finally:
         fresh.forget()
 

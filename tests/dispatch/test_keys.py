@@ -1,9 +1,9 @@
-"""dispatch/keys.py: the half-octave bucketing policy and the tuning key (SPEC section 4).
+"""dispatch/keys.py: the bucketing policy and the tuning key (SPEC section 4).
 
-Policy (keys.py docstring): rows and num_splits are rounded up to the
-smallest value of the form 2^e or 3 * 2^(e-1) that is >= the value, so a
-bucket spans at most a factor 1.5. The oracle below enumerates those values
-instead of computing them the way keys.py does.
+Policy (keys.py docstring): rows are rounded up to a multiple of 1/8 of the
+power of two at or above them, at least 1; num_splits to a multiple of 1/16
+of theirs, at least 4. The oracle below enumerates the
+bucket values octave by octave instead of computing them the way keys.py does.
 """
 
 from __future__ import annotations
@@ -21,56 +21,62 @@ from kvsplit.dispatch.keys import bucket, bucket_num_splits, device_info, dtype_
 
 SETTINGS = settings(max_examples=500, deadline=None, database=None)
 
-# Every half-octave value up to 2^62: 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
-HALF_OCTAVES = sorted({1 << e for e in range(63)} | {3 << e for e in range(62)})
 
-values = st.one_of(st.integers(1, 300), st.integers(1, 2_000_000), st.integers(1, 2**40))
+def bucket_values(per_octave: int, min_step: int, top: int = 2**40) -> list[int]:
+    """Every bucket value up to ``top``: each octave (lo, hi] in steps of max(min_step, hi / n)."""
+    values, lo = [1], 1
+    while lo < top:
+        hi = 2 * lo
+        step = max(min_step, hi // per_octave)
+        first = (lo // step + 1) * step
+        values += list(range(first, hi + 1, step))
+        lo = hi
+    return sorted(set(values))
 
 
-def is_half_octave(value: int) -> bool:
-    def power_of_two(n: int) -> bool:
-        return n >= 1 and n & (n - 1) == 0
+ROWS = bucket_values(8, 1)
+SPLITS = [v for v in bucket_values(16, 4) if v % 4 == 0]
 
-    return power_of_two(value) or (value % 3 == 0 and power_of_two(value // 3))
+values = st.one_of(st.integers(1, 300), st.integers(1, 2_000_000), st.integers(1, 2**39))
 
 
 @pytest.mark.parametrize("value, expected", [
-    (1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (6, 6), (7, 8), (9, 12), (13, 16), (17, 24),
-    (20, 24), (25, 32), (33, 48), (100, 128), (129, 192), (132, 192), (193, 256), (264, 384),
-    (385, 512), (1024, 1024), (1025, 1536), (1_000_000, 1_048_576),
+    (1, 1), (2, 2), (3, 3), (5, 5), (8, 8), (9, 10), (17, 20), (33, 40), (40, 40), (65, 80),
+    (100, 112), (129, 160), (300, 320), (1000, 1024), (1025, 1280), (2048, 2048),
+    (1_000_000, 1_048_576),
 ])
-def test_known_buckets(value, expected):
+def test_known_row_buckets(value, expected):
     assert bucket(value) == expected
 
 
 @SETTINGS
 @given(values)
-def test_bucket_is_the_smallest_half_octave_at_or_above(value):
+def test_row_bucket_is_the_smallest_bucket_value_at_or_above(value):
     b = bucket(value)
-    assert b >= value
-    assert 2 * b <= 3 * value  # a bucket spans at most a factor 1.5
-    assert is_half_octave(b)
-    assert b == HALF_OCTAVES[bisect.bisect_left(HALF_OCTAVES, value)]
+    assert b == ROWS[bisect.bisect_left(ROWS, value)]
+    assert value <= b and 4 * b <= 5 * value  # at most 25 % above
 
 
 @SETTINGS
 @given(values)
-def test_bucket_is_idempotent(value):
+def test_buckets_are_idempotent(value):
     assert bucket(bucket(value)) == bucket(value)
+    assert bucket_num_splits(bucket_num_splits(value)) == bucket_num_splits(value)
 
 
 @SETTINGS
 @given(values, values)
-def test_bucket_is_monotone(a, b):
+def test_buckets_are_monotone(a, b):
     low, high = sorted((a, b))
     assert bucket(low) <= bucket(high)
+    assert bucket_num_splits(low) <= bucket_num_splits(high)
 
 
 @SETTINGS
-@given(st.sampled_from(HALF_OCTAVES[:45]))
-def test_half_octaves_are_their_own_bucket_and_bound_the_next(value):
+@given(st.sampled_from(ROWS[:-1]))
+def test_bucket_values_are_their_own_bucket_and_bound_the_next(value):
     assert bucket(value) == value
-    assert bucket(value + 1) == HALF_OCTAVES[HALF_OCTAVES.index(value) + 1]
+    assert bucket(value + 1) == ROWS[ROWS.index(value) + 1]
 
 
 H200 = DeviceFacts("NVIDIA H200", 9, 0, 132, True)
@@ -101,26 +107,28 @@ def test_tuning_key_buckets_rows_and_num_splits_and_keeps_the_rest(
 
 
 @pytest.mark.parametrize("value, expected", [(1, 4), (4, 4), (5, 8), (16, 16), (20, 20),
-                                             (21, 24), (63, 64), (64, 64), (65, 96), (100, 128),
-                                             (132, 192), (264, 384)])
+                                             (21, 24), (63, 64), (64, 64), (65, 72), (100, 104),
+                                             (132, 144), (200, 208), (264, 288), (1000, 1024)])
 def test_num_splits_buckets(value, expected):
     assert bucket_num_splits(value) == expected
 
 
 @SETTINGS
-@given(st.integers(1, 100_000))
-def test_num_splits_bucket_keeps_the_load_batches_up_to_64(value):
+@given(values)
+def test_num_splits_bucket_is_the_smallest_bucket_value_at_or_above(value):
     b = bucket_num_splits(value)
-    assert b >= value and bucket_num_splits(b) == b
+    assert b == SPLITS[bisect.bisect_left(SPLITS, value)]
     if value <= 64:
         # The same number of 4-deep load batches (at K = 1) as the exact shape.
         assert -(-b // 4) == -(-value // 4) and b - value < 4
+    else:
+        assert 8 * b <= 9 * value  # at most 12.5 % above
 
 
 def test_shapes_in_different_buckets_get_different_keys():
     one = tuning_key(H200, "b", 128, "bfloat16", "bfloat16", "maxsum", 132, 64)
-    assert one == tuning_key(H200, "b", 128, "bfloat16", "bfloat16", "maxsum", 190, 49)
-    assert one != tuning_key(H200, "b", 128, "bfloat16", "bfloat16", "maxsum", 193, 64)
+    assert one == tuning_key(H200, "b", 128, "bfloat16", "bfloat16", "maxsum", 129, 57)
+    assert one != tuning_key(H200, "b", 128, "bfloat16", "bfloat16", "maxsum", 145, 64)
     assert one != tuning_key(H200, "b", 128, "bfloat16", "bfloat16", "maxsum", 132, 65)
     assert one != tuning_key(H200, "other", 128, "bfloat16", "bfloat16", "maxsum", 132, 64)
     assert one != tuning_key(CPU, "b", 128, "bfloat16", "bfloat16", "maxsum", 132, 64)

@@ -24,7 +24,7 @@ def test_h200_table_covers_the_benchmark_grid():
     for head_dim in (128, 512):
         for fmt in ("maxsum", "lse"):
             for dtype in ("bfloat16", "float16"):
-                for num_splits in (16, 32, 64, 192, 384):  # 132 and 264 bucketed
+                for num_splits in (16, 32, 64, 144, 288):  # 132 and 264 bucketed
                     for rows in (32, 64, 128, 256, 512, 2048):
                         assert (head_dim, dtype, dtype, fmt, num_splits, rows) in table
 
@@ -51,7 +51,7 @@ def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSPLIT_DB", f"sqlite:///{tmp_path / 'empty.sqlite'}")
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
     table = dispatch_module._shipped_table(H200)
-    key = (512, "bfloat16", "bfloat16", "maxsum", 192, 64)
+    key = (512, "bfloat16", "bfloat16", "maxsum", 144, 64)
     shipped = config_from(table[key].family, table[key].params)
     assert shipped.kv_split >= 4  # the cap below must bite
     fresh = dispatch_module.Dispatcher()

@@ -48,23 +48,30 @@ _TARGET_THREADS = 65536
 
 
 def prune(configs: list[Config], key) -> list[Config]:
-    """The configs worth timing at ``key``: at most 3 group counts K around the
-    shape's sweet spot, DSplit with 32..256 threads per CTA and 8-deep rounds
-    only when a group has more than 4 partials; KvSplit K = 1 always stays."""
+    """The configs worth timing at ``key``: two group counts K around the
+    shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
+    closest to 128 threads, and 8-deep rounds besides 4-deep ones only when a
+    group has more than 4 partials. KvSplit K = 1 always stays."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
     ks = {k_hi, k_hi // 2} - {0}
+    # Per K, the two slice counts whose CTAs come closest to 128 threads.
+    slices = {}
+    for k in ks:
+        options = sorted({c.slices for c in configs if c.family == DSPLIT and c.kv_split == k},
+                         key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
+        slices[k] = set(options[:2])
     kept = []
     for c in configs:
         if c.family == KVSPLIT:
             keep = c.kv_split == 1 or c.kv_split in ks
         else:
-            threads = c.kv_split * vectors // c.slices
-            # Deeper rounds pay where a group has many partials and the grid is small.
-            deep = (math.ceil(key.num_splits / c.kv_split) > 4
-                    and key.rows * c.kv_split * vectors <= _TARGET_THREADS)
-            keep = c.kv_split in ks and threads <= 256 and c.depth == (8 if deep else 4)
+            # 8-deep rounds only where a group has more than 4 partials (else
+            # the same rounds, more registers); there both depths are timed,
+            # as neither wins by a rule of grid size on an H200.
+            deep = math.ceil(key.num_splits / c.kv_split) > 4
+            keep = c.kv_split in ks and c.slices in slices[c.kv_split] and (deep or c.depth == 4)
         if keep:
             kept.append(c)
     return kept

@@ -123,7 +123,7 @@ def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
                     out_dtype="bfloat16", stats_format="maxsum", num_splits=num_splits, rows=rows)
     pruned = candidates(key)
     assert kept in pruned
-    assert len(pruned) < len(candidates(key, pruned=False)) / 3
+    assert len(pruned) <= 11 and len(pruned) <= len(candidates(key, pruned=False)) / 3
 
 
 # -- the winner rule --------------------------------------------------------------------------

@@ -51,21 +51,25 @@ def prune(configs: list[Config], key) -> list[Config]:
     """The configs worth timing at ``key``: two group counts K around the
     shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
     closest to 128 threads, and 8-deep rounds besides 4-deep ones only when a
-    group has more than 4 partials. KvSplit K = 1 always stays."""
+    group has more than 4 partials; one DSplit config at a quarter of the
+    larger K. KvSplit K = 1 always stays (at most 12 configs)."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
     ks = {k_hi, k_hi // 2} - {0}
+    spare = k_hi // 4  # one more K, with one slice count and 4-deep rounds only
     # Per K, the two slice counts whose CTAs come closest to 128 threads.
     slices = {}
-    for k in ks:
+    for k in ks | {spare}:
         options = sorted({c.slices for c in configs if c.family == DSPLIT and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
-        slices[k] = set(options[:2])
+        slices[k] = set(options[:1 if k == spare else 2])
     kept = []
     for c in configs:
         if c.family == KVSPLIT:
             keep = c.kv_split == 1 or c.kv_split in ks
+        elif c.kv_split == spare:
+            keep = c.slices in slices[spare] and c.depth == 4
         else:
             # 8-deep rounds only where a group has more than 4 partials (else
             # the same rounds, more registers); there both depths are timed,
@@ -127,8 +131,15 @@ class _Scratch:
         return out
 
 
+_REPLAY_US = 120.0  # a replay's target length on a GPU
+
+
+def _partial_bytes(key) -> int:
+    return key.num_splits * key.rows * key.head_dim * _DTYPES[key.partial_dtype].itemsize
+
+
 def _copies_for_cold(key, l2_bytes: int) -> int:
-    per_set = key.num_splits * key.rows * key.head_dim * _DTYPES[key.partial_dtype].itemsize
+    per_set = _partial_bytes(key)
     return max(2, min(64, math.ceil(4 * l2_bytes / max(per_set, 1))))
 
 
@@ -147,6 +158,9 @@ def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: flo
     copies = 1
     if l2_state == "cold" and is_cuda:
         copies = _copies_for_cold(key, torch.cuda.get_device_properties(device).L2_cache_size)
+    if is_cuda:  # large shapes: fewer launches per replay, to stay within the first-use budget
+        launch_us = _partial_bytes(key) / 3e6 + 2.0  # at about 3 TB/s
+        batch = max(2, min(batch, round(_REPLAY_US / launch_us)))
     with torch.cuda.device(device) if is_cuda else contextlib.nullcontext():
         scratch = _Scratch(key, device, copies)
         reference = scratch.run(BASELINE).float().clone()

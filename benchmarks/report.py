@@ -1,6 +1,6 @@
 """Turns the JSON of the GPU benchmarks into the markdown of docs/benchmarks.md.
 
-    python benchmarks/report.py DIR     (DIR holds bench_merge.json and, if run,
+    python benchmarks/report.py DIR     (DIR holds any of bench_merge.json,
                                          bench_dispatch.json and bench_chain.json)
 """
 
@@ -127,12 +127,13 @@ def chain_table(data: dict) -> str:
 
 def main() -> int:
     folder = pathlib.Path(sys.argv[1])
-    merge = json.loads((folder / "bench_merge.json").read_text())
-    print(f"{merge['gpu']}, {merge['date']}: copy {merge['copy_bytes_per_us'] / 1e6:.2f} TB/s, "
-          f"empty launch {merge['noop_us']:.2f} us\n")
-    print(merge_table(merge), "\n")
-    print(peer_table(merge), "\n")
-    print(reference_table(merge), "\n")
+    if (folder / "bench_merge.json").exists():
+        merge = json.loads((folder / "bench_merge.json").read_text())
+        print(f"{merge['gpu']}, {merge['date']}: copy {merge['copy_bytes_per_us'] / 1e6:.2f} "
+              f"TB/s, empty launch {merge['noop_us']:.2f} us\n")
+        print(merge_table(merge), "\n")
+        print(peer_table(merge), "\n")
+        print(reference_table(merge), "\n")
     for name, render in (("bench_dispatch.json", dispatch_section),
                          ("bench_chain.json", chain_table)):
         path = folder / name

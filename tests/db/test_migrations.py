@@ -167,3 +167,35 @@ def test_newer_schema_gives_a_library_caller_one_warning_and_memory(db_url):
     assert store.in_memory
     store.upsert(make_record())
     assert len(store.query()) == 1
+
+
+def test_a_database_from_before_the_dsplit_family_still_serves_its_choices(db_url):
+    """Revision 0001 knew only kv_split: its winners still reach the kernel, next to DSplit ones."""
+    from kvsplit.db import CandidateResult, DeviceInfo
+    from kvsplit.dispatch.constraints import DSPLIT, Config, constrain_config, kvsplit_config
+    from kvsplit.dispatch.dispatcher import _runnable
+
+    _build_revision_1(db_url)
+    with pytest.warns(DbWarning):
+        store = open_store(db_url)
+    h200 = DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132)
+    before = store.load_choices(h200, "build-a")
+    assert sorted(w.kv_split for w in before.values()) == [1, 8]
+    for (head_dim, _, _, _, num_splits, rows), winner in before.items():
+        config = _runnable(winner)  # what the dispatcher does with a stored winner
+        assert config == kvsplit_config(winner.kv_split)
+        assert constrain_config(config, head_dim=head_dim, elem_bytes=2, rows=rows,
+                                num_splits=num_splits, sm_count=132) == config
+    # The upgraded database takes a DSplit winner beside them, and gives it back.
+    dsplit = KernelConfig(family="dsplit", params={"depth": 8, "kv_split": 16, "slices": 4})
+    record = make_record(rows=32, build_hash="build-a")
+    record = record.model_copy(update={
+        "winner": dsplit,
+        "candidates": record.candidates + [CandidateResult(config=dsplit, median_us=1.0, p10_us=0.9,
+                                                           p90_us=1.1, samples=9, matched=True)]})
+    store.upsert(record)
+    after = store.load_choices(h200, "build-a")
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert _runnable(after[record.key.choice_key]) == Config(DSPLIT, 4, 16, 8)
+    assert store.get(record.key).winner.label == "dsplit(depth=8, kv_split=16, slices=4)"
+    store.close()

@@ -107,7 +107,9 @@ def _worker_main(device, keys, db_url, l2, force, queue) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, l2, db_url,
          as_json) -> None:
-    """Profile every valid kv_split for a grid of shapes and store the winners.
+    """Profile the candidate kernel configs for a grid of shapes and store the winners.
+
+    Candidates: both kernel families, pruned, on a GPU; every KvSplit K on the CPU.
 
     Rows and num_splits are bucketed as the dispatcher does, so the grid fills
     exactly the keys that calls will look up. Resumable: keys already stored

@@ -121,13 +121,10 @@ class _Scratch:
         from .. import merge
 
         o, stats, out = self.sets[index % len(self.sets)]
+        maxsum = self.key.stats_format == "maxsum"
         # config=: measure the config that is recorded, whatever KVSPLIT_* says.
-        if self.key.stats_format == "maxsum":
-            merge._launch(merge.MAXSUM, o, stats, None, None, out, None, 1.0, merge._LN2,
-                          0, fresh_out=True, config=candidate)
-        else:
-            merge._launch(merge.LSE, o, stats, None, None, out, None, 1.0, 1.0,
-                          0, fresh_out=True, config=candidate)
+        merge._launch(merge.MAXSUM if maxsum else merge.LSE, o, stats, None, None, out, None,
+                      1.0, merge._LN2 if maxsum else 1.0, 0, fresh_out=True, config=candidate)
         return out
 
 

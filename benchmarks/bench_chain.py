@@ -1,6 +1,7 @@
 """Chained launches: a producer that writes the partials, then the merge.
 
 Run on a GPU machine:  python -P benchmarks/bench_chain.py [--out DIR]
+then  python benchmarks/report.py DIR  for the table.
 
 Like a decode step, each pair (producer kernel writing bf16 partials and
 maxsum stats, then the merge reading them) is captured 16 times in one CUDA
@@ -79,39 +80,26 @@ def bench_shape(head_dim, rows, num_splits):
     return result
 
 
-def table(results, gpu: str) -> str:
-    lines = [
-        f"GPU: {gpu}; {datetime.date.today()}; producer + merge per pair, {PAIRS} pairs per "
-        "CUDA graph, us",
-        "",
-        "| D | rows | N | config | merge alone | producer alone | pair, PDL off | pair, PDL on | saved |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        for label, c in r["configs"].items():
-            lines.append(
-                f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} | {label} | {c['merge_us']:.2f} "
-                f"| {r['producer_us']:.2f} | {c['pair_off_us']:.2f} | {c['pair_on_us']:.2f} "
-                f"| {c['pair_off_us'] - c['pair_on_us']:+.2f} |")
-    return "\n".join(lines)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the .json")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."),
+                        help="folder for bench_chain.json [default: .]")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 1
     props = torch.cuda.get_device_properties(0)
     spin_up_gpu()
-    results = [bench_shape(*shape) for shape in SHAPES]
-    text = table(results, props.name)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_chain.json").write_text(json.dumps(
-            {"gpu": props.name, "date": str(datetime.date.today()), "results": results}, indent=1))
+    results = []
+    for shape in SHAPES:
+        results.append(bench_shape(*shape))
+        for label, c in results[-1]["configs"].items():
+            print(f"  D={shape[0]} rows={shape[1]} N={shape[2]} {label}: pair "
+                  f"{c['pair_off_us']:.2f} us, with PDL {c['pair_on_us']:.2f} us", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_chain.json").write_text(json.dumps(
+        {"gpu": props.name, "date": str(datetime.date.today()), "results": results}, indent=1))
+    print(f"wrote {args.out / 'bench_chain.json'}; tables: python benchmarks/report.py {args.out}")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Per-launch time of every kernel config on the issues' benchmark grid.
 
 Run on a GPU machine:  python -P benchmarks/bench_merge.py [--out DIR]
+then  python benchmarks/report.py DIR  for the tables.
 
-For every shape (bf16 partials, maxsum stats) it prints, in microseconds per
-launch from CUDA-graph replay:
+For every shape (bf16 partials, maxsum stats) it measures, in microseconds
+per launch from CUDA-graph replay:
   warm   every valid config of both families on the same buffers (L2-warm,
          like right after attention): KvSplit K = 1, the best KvSplit K, the
          best DSplit (slices, kv_split) and the best of all;
@@ -132,42 +133,10 @@ def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, bandwidth, noop_
     return result
 
 
-def short(label: str | None) -> str:
-    """kvsplit(kv_split=8) -> K8; dsplit(depth=8, kv_split=16, slices=4) -> P4xK16d8."""
-    if label is None:
-        return "-"
-    params = dict(part.split("=") for part in label[label.index("(") + 1:-1].split(", "))
-    if "slices" not in params:
-        return f"K{params['kv_split']}"
-    return f"P{params['slices']}xK{params['kv_split']}d{params['depth']}"
-
-
-def table(results, gpu: str) -> str:
-    lines = [
-        f"GPU: {gpu}; {datetime.date.today()}; bf16 partials, maxsum stats; "
-        "us per launch in CUDA-graph replay (warm unless marked cold)",
-        "",
-        "| D | rows | N | K=1 | KvSplit best | DSplit best | best | read | best/read | floor "
-        "| best, PDL | cold read | cold K=1 | cold best | torch | eager |",
-        "|" + "---|" * 16,
-    ]
-    for r in results:
-        warm = r["warm"]
-        ks, ds, best = r["best_kvsplit"], r["best_dsplit"], r["best"]
-        dsplit = f"{warm[ds]:.2f} ({short(ds)})" if ds else "-"
-        lines.append(
-            f"| {r['head_dim']} | {r['rows']} | {r['num_splits']} "
-            f"| {warm['kvsplit(kv_split=1)']:.2f} | {warm[ks]:.2f} ({short(ks)}) | {dsplit} "
-            f"| {warm[best]:.2f} | {r['read_us']:.2f} | {warm[best] / r['read_us']:.2f} "
-            f"| {r['floor_us']:.2f} | {r['best_pdl_us']:.2f} | {r['cold_read_us']:.2f} "
-            f"| {r['cold']['kvsplit(kv_split=1)']:.2f} | {r['cold'][best]:.2f} "
-            f"| {r['torch_us']:.2f} | {r['eager_us']:.2f} |")
-    return "\n".join(lines)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for .md and .json")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."),
+                        help="folder for bench_merge.json [default: .]")
     parser.add_argument("--quick", action="store_true", help="N in {16, 132} only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -187,17 +156,14 @@ def main() -> int:
                                        props.L2_cache_size, bandwidth, noop_us, generator))
             r = results[-1]
             worst = max(r["max_diff_vs_k1"].values())
-            print(f"  D={head_dim} rows={rows} N={num_splits}: best {short(r['best'])} "
+            print(f"  D={head_dim} rows={rows} N={num_splits}: best {r['best']} "
                   f"{r['warm'][r['best']]:.2f} us, read {r['read_us']:.2f} us "
                   f"(max |config - K1| {worst:.1e})", flush=True)
-    text = table(results, props.name)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_merge.md").write_text(text + "\n")
-        meta = {"gpu": props.name, "copy_bytes_per_us": bandwidth, "noop_us": noop_us,
-                "date": str(datetime.date.today()), "results": results}
-        (args.out / "bench_merge.json").write_text(json.dumps(meta, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": props.name, "copy_bytes_per_us": bandwidth, "noop_us": noop_us,
+            "date": str(datetime.date.today()), "results": results}
+    (args.out / "bench_merge.json").write_text(json.dumps(meta, indent=1))
+    print(f"wrote {args.out / 'bench_merge.json'}; tables: python benchmarks/report.py {args.out}")
     return 0
 
 

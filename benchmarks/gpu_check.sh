@@ -68,4 +68,9 @@ for stage in "${stages[@]}"; do
       fi ;;
   esac
 done
+# The markdown tables of whatever benchmarks ran (docs/benchmarks.md is made of them).
+if ls "$OUT"/bench_*.json >/dev/null 2>&1; then
+  python3 benchmarks/report.py "$OUT" > "$OUT/report.md" || status=1
+  cat "$OUT/report.md" >> "$LOG"
+fi
 exit $status

@@ -295,7 +295,7 @@ def prune(
 )
 @click.pass_context
 def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
-    """Draw the winner kv_split and its speed-up over kv_split=1 as a PNG.
+    """Draw the winner config and its speed-up over kv_split=1 as a PNG.
 
     One row of two heat maps (num_splits x rows) per device, build, head dim,
     dtypes and stats format.

@@ -193,7 +193,7 @@ def valid_configs(*, head_dim: int, elem_bytes: int, rows: int, num_splits: int,
             sm_count=sm_count, max_split=max_split)]
     if DSPLIT in families:
         configs += [Config(DSPLIT, p, k, d) for p in DSPLIT_SLICES for k in DSPLIT_KV_SPLITS
-                    for d in DSPLIT_DEPTHS
                     if not dsplit_violations(p, k, head_dim=head_dim, elem_bytes=elem_bytes,
-                                             num_splits=num_splits, max_split=max_split)]
+                                             num_splits=num_splits, max_split=max_split)
+                    for d in DSPLIT_DEPTHS]
     return configs

@@ -45,7 +45,7 @@ MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
 
 def _fixed_config(mode: str) -> Config | None:
     """The config a fixed ``KVSPLIT_MODE`` names (``8``, ``dsplit:4:16:8``), else None."""
-    if mode in MODES[3:3 + len(KV_SPLITS)]:
+    if mode.isdigit() and int(mode) in KV_SPLITS:
         return kvsplit_config(int(mode))
     family, *numbers = mode.split(":")
     if family == "dsplit" and len(numbers) in (2, 3) and all(n.isdigit() for n in numbers):
@@ -156,9 +156,7 @@ class Dispatcher:
                              f"{DSPLIT_DEPTHS}); got {mode!r}")
         max_split = _env_int("KVSPLIT_MAX_SPLIT", max_split_raw)
 
-        def constrained(config: Config | int) -> Config:
-            if isinstance(config, int):
-                config = kvsplit_config(config)
+        def constrained(config: Config) -> Config:
             return constrain_config(config, head_dim=head_dim, elem_bytes=partial_dtype.itemsize,
                                     rows=rows, num_splits=num_splits,
                                     sm_count=facts.sm_count if facts.is_cuda else None,
@@ -167,7 +165,7 @@ class Dispatcher:
         capturing = (facts.is_cuda and torch.cuda.is_available()
                      and torch.cuda.is_current_stream_capturing())
         if forced:
-            decision = Decision(constrained(forced), "forced")
+            decision = Decision(constrained(kvsplit_config(forced)), "forced")
         elif mode == "off":
             decision = Decision(kvsplit_config(1), "mode")
         elif fixed is not None:
@@ -194,11 +192,12 @@ class Dispatcher:
         shipped = _runnable(_shipped_table(facts).get(key.choice_key))
         if shipped is not None:
             return Decision(constrained(shipped), "shipped", key)
+        fallback = kvsplit_config(heuristic(num_splits))
         if mode == "cached":
-            return Decision(constrained(heuristic(num_splits)), "heuristic", key)
+            return Decision(constrained(fallback), "heuristic", key)
         if capturing:
             pending_keys.add(key)
-            return Decision(constrained(heuristic(num_splits)), "capture", key)
+            return Decision(constrained(fallback), "capture", key)
         return self._tune(facts, device, key, db_url, constrained)
 
     def _tune(self, facts, device, key, db_url, constrained) -> Decision:

@@ -13,7 +13,7 @@ from .db.cli import db
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvsplit")
 def main() -> None:
-    """Split-KV attention merge with a per-GPU tuned KvSplit."""
+    """Split-KV attention merge with a per-GPU tuned kernel config."""
 
 
 main.add_command(db)

@@ -271,8 +271,9 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     return_stats : bool
         Also return float32 (rows, 2) stats (M * scale_log2 / log2(e), L).
     kv_split : int, optional
-        Force K in {1, 2, 4, 8, 16} (still halved to satisfy the kernel's
-        constraints); None lets the dispatcher choose.
+        Force the KvSplit family with K in {1, 2, 4, 8, 16} (still halved to
+        satisfy the kernel's constraints); None lets the dispatcher choose a
+        config of either family.
 
     Returns
     -------

@@ -11,7 +11,9 @@ Stats formats are named by one string everywhere: ``"maxsum"``,
 from __future__ import annotations
 
 import math
+import sys
 import zlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +23,9 @@ import kvsplit
 from kvsplit import _native, reference
 from kvsplit.dispatch import dispatcher
 from kvsplit.dispatch.constraints import KVSPLIT
+
+# Test helper modules (merge_grid.py) import by name under --import-mode=importlib.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LOG2E = 1.0 / math.log(2.0)
 BASES = {"lse2": 2.0, "lsee": math.e}

@@ -15,15 +15,7 @@ import torch
 
 from kvsplit import merge
 from kvsplit.dispatch.constraints import DSPLIT, Config
-
-FORMATS = ["maxsum", "lse2", "lsee"]
-DTYPES = [
-    pytest.param((torch.bfloat16, torch.bfloat16), id="bf16-bf16"),
-    pytest.param((torch.float16, torch.float16), id="fp16-fp16"),
-    pytest.param((torch.float32, torch.bfloat16), id="fp32-bf16"),
-    pytest.param((torch.float32, torch.float16), id="fp32-fp16"),
-]
-HEAD_DIMS = [64, 128, 256, 512]
+from merge_grid import DTYPES, FORMATS, HEAD_DIMS, out_kwargs
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
 
@@ -43,13 +35,6 @@ def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Config
 def pin(monkeypatch, config: Config) -> None:
     monkeypatch.setenv("KVSPLIT_MODE",
                        f"dsplit:{config.slices}:{config.kv_split}:{config.depth}")
-
-
-def out_kwargs(rows, head_dim, dtypes, device):
-    partial_dtype, out_dtype = dtypes
-    if partial_dtype == torch.float32 and out_dtype == torch.float16:
-        return {"out": torch.empty(rows, head_dim, dtype=out_dtype, device=device)}
-    return {}
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -77,7 +62,7 @@ def test_every_config_matches_reference_and_k1(device, fmt, dtypes, head_dim, me
         inputs = [t.to(device) for t in (o, stats, sinks, split_counts)]
         return merge_kit.merge(fmt, *inputs[:2], scale=scale, sinks=inputs[2],
                                split_counts=inputs[3], kv_split=None,
-                               **out_kwargs(rows, head_dim, dtypes, device))
+                               **out_kwargs(rows, head_dim, dtypes[1], dtypes[0], device))
 
     monkeypatch.setenv("KVSPLIT_MODE", "off")
     base_out, base_stats = run(partial_o)
@@ -113,7 +98,7 @@ def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, c
         pin(monkeypatch, config)
         out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale,
                                          split_counts=split_counts.to(device),
-                                         **out_kwargs(rows, head_dim, dtypes, device))
+                                         **out_kwargs(rows, head_dim, dtypes[1], dtypes[0], device))
         merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
             fmt, partial_o, stats, scale=scale, split_counts=split_counts))
     assert configs and chosen_kv_split == configs

@@ -27,8 +27,8 @@ KVSPLIT_HD float neg_inf() { return -INFINITY; }
 KVSPLIT_HD float fast_exp2(float x) {
 #if defined(__CUDA_ARCH__)
   // One MUFU.EX2. exp2f adds a denormal-range fix-up around it, which cost
-  // the K = 1 loop a fifth of its time; a weight below 2^-126 next to the
-  // running max's weight of 1 is zero for any merge.
+  // the K = 1 loop 8-20 % of its time on an H200; a weight below 2^-126
+  // next to the running max's weight of 1 is zero for any merge.
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;

@@ -60,6 +60,11 @@ def _read_options(engine: Engine) -> dict[str, object]:
     return {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
 
 
+def _key_columns(r: type[TuningResult]) -> tuple:
+    """A result's ChoiceKey columns, in ChoiceKey order (also the listing order)."""
+    return (r.head_dim, r.partial_dtype, r.out_dtype, r.stats_format, r.num_splits, r.rows)
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -200,16 +205,7 @@ class Store:
 
         def work(session: Session) -> dict[ChoiceKey, KernelConfig]:
             stmt = (
-                select(
-                    r.head_dim,
-                    r.partial_dtype,
-                    r.out_dtype,
-                    r.stats_format,
-                    r.num_splits,
-                    r.rows,
-                    r.winner_family,
-                    r.winner_params,
-                )
+                select(*_key_columns(r), r.winner_family, r.winner_params)
                 .join(Device, r.device_id == Device.id)
                 .join(KernelBuild, r.build_id == KernelBuild.id)
                 .where(*device_is(device), KernelBuild.build_hash == build_hash)
@@ -265,17 +261,7 @@ class Store:
                 .join(r.device)
                 .join(r.build)
                 .where(*conditions)
-                .order_by(
-                    Device.name,
-                    Device.sm_count,
-                    KernelBuild.build_hash,
-                    r.head_dim,
-                    r.partial_dtype,
-                    r.out_dtype,
-                    r.stats_format,
-                    r.num_splits,
-                    r.rows,
-                )
+                .order_by(Device.name, Device.sm_count, KernelBuild.build_hash, *_key_columns(r))
             )
             return [TuningRecord.model_validate(row) for row in session.scalars(stmt).unique()]
 

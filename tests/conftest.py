@@ -80,6 +80,13 @@ def merge_reference(fmt, partial_o, stats, *, scale=1.0, sinks=None, split_count
                                          split_counts=split_counts)
 
 
+def log_totals(fmt, merged_stats):
+    """Natural log of each row's softmax denominator, from a merge's exported stats."""
+    if fmt == "maxsum":
+        return merged_stats[:, 0] + merged_stats[:, 1].log()
+    return merged_stats * math.log(BASES[fmt])
+
+
 def assert_matches_reference(out, out_stats, ref_out, ref_stats, *, stats_rtol=STATS_RTOL):
     """Output and exported stats of one merge against the float64 reference.
 
@@ -178,7 +185,8 @@ def merge_kit():
     """The helpers above, as one namespace (see the module docstring)."""
     return SimpleNamespace(
         generator=generator, partials=partials, scale_log2=scale_log2, merge=merge,
-        reference=merge_reference, assert_matches_reference=assert_matches_reference,
+        reference=merge_reference, log_totals=log_totals,
+        assert_matches_reference=assert_matches_reference,
         assert_same_function=assert_same_function, expected_kv_split=expected_kv_split,
         stats_kind=stats_kind, bases=BASES)
 

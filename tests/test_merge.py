@@ -133,10 +133,7 @@ def test_sinks(device, fmt, heads, kv_split, merge_kit):
     # Sink logits near the rows' own log-totals (natural log), distinct per
     # head, so that a sink ignored or taken from the wrong head shows.
     plain_out, plain_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale)
-    if fmt == "maxsum":
-        log_totals = plain_stats[:, 0] + plain_stats[:, 1].log()
-    else:
-        log_totals = plain_stats * math.log(merge_kit.bases[fmt])
+    log_totals = merge_kit.log_totals(fmt, plain_stats)
     log_totals = log_totals[log_totals.isfinite()]
     sinks = (log_totals.median() + 2.0 * torch.rand(heads, generator=gen) - 1.0).float()
 
@@ -167,10 +164,7 @@ def test_sink_far_above_every_split(device, fmt, kv_split, merge_kit):
                                           empty_fraction=0.0)
     scale = merge_kit.scale_log2(gen)
     _, plain_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale)
-    if fmt == "maxsum":
-        log_totals = plain_stats[:, 0] + plain_stats[:, 1].log()
-    else:
-        log_totals = plain_stats * math.log(merge_kit.bases[fmt])
+    log_totals = merge_kit.log_totals(fmt, plain_stats)
     sinks = (log_totals.max() + 100.0).float().reshape(1)
 
     out, out_stats = merge_kit.merge(fmt, *to(device, partial_o, stats, sinks)[:2], scale=scale,

@@ -24,9 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("lab_timing", ROOT / "autotune/timing.py")
-timing = sys.modules["lab_timing"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timing)
+
+
+def _load(name: str, path: str):
+    """A package module that imports nothing of the package, loaded from the tree."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+timing = _load("lab_timing", "autotune/timing.py")
+constraints = _load("lab_constraints", "dispatch/constraints.py")
 
 # Name -> nvcc flags (the knobs at the top of merge.cuh). "-I DIR" ahead of
 # csrc/include swaps in another copy of a header, e.g. an older merge.cuh.
@@ -78,10 +87,6 @@ def problem(head_dim, rows, num_splits, generator):
     return (o, stats, out), p
 
 
-def kv_splits(head_dim, num_splits):
-    return [k for k in (1, 2, 4, 8, 16) if k <= max(1, num_splits) and 8192 // k >= 2 * head_dim]
-
-
 def launcher(launch, p, head_dim, k, sm_count):
     def run(i):
         status = launch(ctypes.byref(p), head_dim, k, sm_count,
@@ -113,7 +118,8 @@ def main() -> int:
     for head_dim, rows, num_splits in SHAPES:
         buffers, p = problem(head_dim, rows, num_splits, g)
         out = buffers[2]
-        ks = kv_splits(head_dim, num_splits)
+        ks = constraints.valid_kv_splits(head_dim=head_dim, elem_bytes=2, rows=rows,
+                                         num_splits=num_splits, sm_count=sm_count)
         runs = {(name, k): launcher(launch, p, head_dim, k, sm_count)
                 for name, launch in launchers.items() for k in ks}
         reference = None

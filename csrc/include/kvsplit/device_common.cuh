@@ -1,5 +1,6 @@
 // Device helpers shared by both kernel families: dtype mapping, 16-byte
-// packed loads and stores, and programmatic dependent launch.
+// packed loads and stores, a row's output epilogue, and programmatic
+// dependent launch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kvsplit/merge_math.h"
 #include "kvsplit/params.h"
 
 namespace kvsplit {
@@ -59,6 +61,28 @@ __device__ __forceinline__ void store_vec(void* base, int64_t offset, const floa
     *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
   } else {
     *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  }
+}
+
+// The last step for one row, by the threads holding its merged state: adds
+// the sink, normalises, stores 16 bytes of output per thread and, from the
+// thread at column 0, exports the row's stats in the call's format.
+template <int kVec, DType kOut, StatsFormat kFormat>
+__device__ __forceinline__ void finalize_and_store(const MergeParams& p,
+                                                   const MergeState<kVec>& state, int64_t row,
+                                                   int col) {
+  const float sink_log2 =
+      p.sinks != nullptr ? __ldg(p.sinks + row % p.heads) * kLog2E : neg_inf();
+  float out[kVec], log2_total;
+  const float total = state.finalize(sink_log2, out, log2_total);
+  store_vec<kVec, kOut>(p.out, row * p.out_stride_row + col, out);
+  if (p.out_stats != nullptr && col == 0) {
+    if constexpr (kFormat == StatsFormat::kMaxSum) {
+      p.out_stats[2 * row] = state.m * p.export_scale;
+      p.out_stats[2 * row + 1] = total;
+    } else {
+      p.out_stats[row] = log2_total * p.export_scale;
+    }
   }
 }
 

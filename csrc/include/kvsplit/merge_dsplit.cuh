@@ -160,21 +160,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
       }
     }
 
-    if (threadIdx.x < lanes) {
-      const float sink_log2 =
-          p.sinks != nullptr ? __ldg(p.sinks + row % p.heads) * kLog2E : neg_inf();
-      float out[kVec], log2_total;
-      const float total = state.finalize(sink_log2, out, log2_total);
-      store_vec<kVec, kOut>(p.out, row * p.out_stride_row + col, out);
-      if (p.out_stats != nullptr && col == 0) {
-        if constexpr (kFormat == StatsFormat::kMaxSum) {
-          p.out_stats[2 * row] = state.m * p.export_scale;
-          p.out_stats[2 * row + 1] = total;
-        } else {
-          p.out_stats[row] = log2_total * p.export_scale;
-        }
-      }
-    }
+    if (threadIdx.x < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, row, col);
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }
 }

@@ -46,9 +46,19 @@ def _facts(device_type: str, index: int | None) -> DeviceFacts:
     return DeviceFacts(_cpu_name(), 0, 0, os.cpu_count() or 1, False)
 
 
+_BY_DEVICE: dict[torch.device, DeviceFacts] = {}
+
+
 def device_facts(device: torch.device) -> DeviceFacts:
-    """Facts for ``device`` (cached per device)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _facts("cuda", index)
-    return _facts("cpu", None)
+    """Facts for ``device`` (cached per device; one dictionary lookup after the first call)."""
+    facts = _BY_DEVICE.get(device)
+    if facts is None:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            facts = _facts("cuda", index)
+            if device.index is None:  # "cuda" means the current device: not cacheable
+                return facts
+        else:
+            facts = _facts("cpu", None)
+        _BY_DEVICE[device] = facts
+    return facts

@@ -12,5 +12,6 @@ def __getattr__(name: str):
     if name in ("merge_lse", "merge_maxsum"):
         from . import merge
 
-        return getattr(merge, name)
+        value = globals()[name] = getattr(merge, name)  # later lookups skip this hook
+        return value
     raise AttributeError(f"module 'kvsplit' has no attribute {name!r}")

@@ -27,81 +27,83 @@ _LOG2E = 1.0 / _LN2
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_STATS_DTYPES = (torch.float32,)
+_COUNT_DTYPES = (torch.int32,)
 
 
-def _require_tensor(name: str, value: object) -> torch.Tensor:
+def _is_real(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def _type_error(name: str, value: object) -> TypeError:
+    return TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _dtype_error(name: str, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> TypeError:
+    allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    return TypeError(f"{name} must have dtype {allowed}; got {str(dtype).removeprefix('torch.')}")
+
+
+def _check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...],
+                  shape: tuple[int, ...], device: torch.device, unit_dim: Optional[int]) -> None:
+    """Type, dtype, shape, device and unit stride of one argument, each read once.
+
+    The tests run on every call, so they are plain comparisons; messages are
+    only built for a failure.
+    """
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
+        raise _type_error(name, value)
+    if value.dtype not in dtypes:
+        raise _dtype_error(name, value.dtype, dtypes)
+    if value.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but partial_o is on {device}")
+    if unit_dim is not None and shape[unit_dim] > 1 and value.stride(unit_dim) != 1:
+        raise ValueError(f"{name} must have unit stride on dim {unit_dim}, "
+                         f"got strides {value.stride()}")
 
 
-def _require_dtype(name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
-    if tensor.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} must have dtype {allowed}; got {str(tensor.dtype)[6:]}")
-
-
-def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-
-
-def _require_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but partial_o is on {device}")
-
-
-def _require_unit_stride(name: str, tensor: torch.Tensor, dim: int) -> None:
-    if tensor.shape[dim] > 1 and tensor.stride(dim) != 1:
-        raise ValueError(f"{name} must have unit stride on dim {dim}, got strides {tensor.stride()}")
-
-
-def _validate_common(partial_o, stats, stats_tail, sinks, split_counts, out, kv_split):
+def _validate_common(partial_o, stats_name, stats, stats_tail, sinks, split_counts, out,
+                     kv_split):
     """Checks what needs no memory address; returns (num_splits, rows, head_dim, out dtype)."""
-    partial_o = _require_tensor("partial_o", partial_o)
-    _require_dtype("partial_o", partial_o, tuple(_DTYPE_CODES))
-    if partial_o.dim() != 3:
-        raise ValueError(f"partial_o must be 3-D (num_splits, rows, head_dim), got {partial_o.dim()}-D")
-    num_splits, rows, head_dim = partial_o.shape
+    if not isinstance(partial_o, torch.Tensor):
+        raise _type_error("partial_o", partial_o)
+    dtype = partial_o.dtype
+    if dtype not in _DTYPE_CODES:
+        raise _dtype_error("partial_o", dtype, tuple(_DTYPE_CODES))
+    shape = partial_o.shape
+    if len(shape) != 3:
+        raise ValueError(f"partial_o must be 3-D (num_splits, rows, head_dim), got {len(shape)}-D")
+    num_splits, rows, head_dim = shape
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"partial_o: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
     if num_splits == 0 and rows > 0:
         raise ValueError("partial_o has num_splits = 0 but rows > 0: nothing to merge")
-    _require_unit_stride("partial_o", partial_o, 2)
+    if partial_o.stride(2) != 1:
+        raise ValueError(f"partial_o must have unit stride on dim 2, got strides {partial_o.stride()}")
     device = partial_o.device
 
-    stats = _require_tensor(stats[0], stats[1])
-    name = "partial_stats" if stats_tail else "partial_lse"
-    _require_dtype(name, stats, (torch.float32,))
-    _require_shape(name, stats, (num_splits, rows) + stats_tail)
-    _require_device(name, stats, device)
-    if stats_tail:
-        _require_unit_stride(name, stats, 2)
-
+    _check_tensor(stats_name, stats, _STATS_DTYPES, (num_splits, rows) + stats_tail, device,
+                  2 if stats_tail else None)
     if sinks is not None:
-        sinks = _require_tensor("sinks", sinks)
-        _require_dtype("sinks", sinks, (torch.float32,))
+        if not isinstance(sinks, torch.Tensor):
+            raise _type_error("sinks", sinks)
+        if sinks.dtype != torch.float32:
+            raise _dtype_error("sinks", sinks.dtype, _STATS_DTYPES)
         if sinks.dim() != 1 or sinks.numel() == 0:
             raise ValueError(f"sinks must be 1-D (heads,) with heads >= 1, got shape {tuple(sinks.shape)}")
         if rows % sinks.numel():
             raise ValueError(f"sinks: rows ({rows}) must be a multiple of heads ({sinks.numel()})")
-        _require_device("sinks", sinks, device)
-        _require_unit_stride("sinks", sinks, 0)
+        _check_tensor("sinks", sinks, _STATS_DTYPES, tuple(sinks.shape), device, 0)
     if split_counts is not None:
-        split_counts = _require_tensor("split_counts", split_counts)
-        _require_dtype("split_counts", split_counts, (torch.int32,))
-        _require_shape("split_counts", split_counts, (rows,))
-        _require_device("split_counts", split_counts, device)
-        _require_unit_stride("split_counts", split_counts, 0)
+        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, (rows,), device, 0)
 
-    out_dtype = partial_o.dtype if partial_o.dtype in _OUT_DTYPES else torch.bfloat16
-    if out is not None:
-        out = _require_tensor("out", out)
-        allowed = (partial_o.dtype,) if partial_o.dtype in _OUT_DTYPES else _OUT_DTYPES
-        _require_dtype("out", out, allowed)
-        _require_shape("out", out, (rows, head_dim))
-        _require_device("out", out, device)
-        _require_unit_stride("out", out, 1)
+    if out is None:
+        out_dtype = dtype if dtype in _OUT_DTYPES else torch.bfloat16
+    else:
+        allowed = (dtype,) if dtype in _OUT_DTYPES else _OUT_DTYPES
+        _check_tensor("out", out, allowed, (rows, head_dim), device, 1)
         out_dtype = out.dtype
 
     if kv_split is not None:
@@ -113,46 +115,59 @@ def _validate_common(partial_o, stats, stats_tail, sinks, split_counts, out, kv_
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses that ``tensor`` can touch (non-negative strides)."""
     start = tensor.data_ptr()
-    extent = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return start, start + (extent + 1) * tensor.element_size()
+    extent = 0
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        extent += (size - 1) * stride
+    return start, start + (extent + 1) * tensor.dtype.itemsize
 
 
-def _check_alignment(partial_o, stats, out) -> None:
+def _check_alignment(partial_o: torch.Tensor, out: torch.Tensor) -> None:
     """Checks alignment, which needs real addresses (not fake tensors)."""
-    elem = partial_o.element_size()
+    elem = partial_o.dtype.itemsize
+    num_splits, rows, _ = partial_o.shape
+    split_stride, row_stride, _ = partial_o.stride()
     if partial_o.data_ptr() % 16:
         raise ValueError("partial_o must be 16-byte aligned")
-    for dim in (0, 1):
-        if partial_o.shape[dim] > 1 and (partial_o.stride(dim) * elem) % 16:
-            raise ValueError(f"partial_o: stride {partial_o.stride(dim)} of dim {dim} is not a "
+    for dim, size, stride in ((0, num_splits, split_stride), (1, rows, row_stride)):
+        if size > 1 and (stride * elem) % 16:
+            raise ValueError(f"partial_o: stride {stride} of dim {dim} is not a "
                              "multiple of 16 bytes")
     # Each thread stores the outputs of 16 bytes of partials in one access.
-    store_bytes = 16 // elem * out.element_size()
-    if out.data_ptr() % store_bytes or (out.shape[0] > 1 and (out.stride(0) * out.element_size()) % store_bytes):
+    out_elem = out.dtype.itemsize
+    store_bytes = 16 // elem * out_elem
+    if out.data_ptr() % store_bytes or (rows > 1 and (out.stride(0) * out_elem) % store_bytes):
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 
 def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> None:
-    """Raises if an output overlaps an input (or the other output)."""
+    """Raises if an output overlaps an input (or the other output).
+
+    Only views of one allocation can overlap, so byte spans are compared only
+    for tensors that share a storage (the common call has none and costs one
+    storage lookup per pair).
+    """
     stats_name = "partial_stats" if stats.dim() == 3 else "partial_lse"
-    inputs = {"partial_o": partial_o, stats_name: stats, "sinks": sinks,
-              "split_counts": split_counts}
-    written = {"out": out, "out_stats": out_stats}
-    for out_name, target in written.items():
-        if target is None or target.numel() == 0:
+    sources = [("partial_o", partial_o), (stats_name, stats), ("sinks", sinks),
+               ("split_counts", split_counts)]
+    for out_name, target in (("out", out), ("out_stats", out_stats)):
+        if target is None:
             continue
-        lo, hi = _byte_span(target)
         storage = target.untyped_storage().data_ptr()
-        for in_name, source in list(inputs.items()):
-            # Only views of one allocation can overlap: compare storages first.
-            if (source is None or source.numel() == 0
-                    or source.untyped_storage().data_ptr() != storage):
-                continue
-            src_lo, src_hi = _byte_span(source)
-            if lo < src_hi and src_lo < hi:
+        for in_name, source in sources:
+            if (source is not None and source.untyped_storage().data_ptr() == storage
+                    and _spans_overlap(target, source)):
                 raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
-        inputs[out_name] = target
+        sources.append((out_name, target))
+
+
+def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.numel() or not b.numel():
+        return False
+    a_lo, a_hi = _byte_span(a)
+    b_lo, b_hi = _byte_span(b)
+    return a_lo < b_hi and b_lo < a_hi
 
 
 def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_stats,
@@ -163,30 +178,33 @@ def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_s
     ``kv_split`` (0: none) is the caller's request, which the dispatcher
     constrains; a ``config`` (the tuner's candidates, already valid) runs as given.
     """
-    _check_alignment(partial_o, stats, out)
+    _check_alignment(partial_o, out)
     if not fresh_out:  # outputs allocated by the wrapper cannot alias anything
         _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats)
     num_splits, rows, head_dim = partial_o.shape
     if rows == 0:
         return
-    facts = device_facts(partial_o.device)
+    device = partial_o.device
+    facts = device_facts(device)
     family, slices, k, depth = config if config is not None else dispatcher.choose(
-        facts, partial_o.device, head_dim, partial_o.dtype, out.dtype, stats_format,
+        facts, device, head_dim, partial_o.dtype, out.dtype, stats_format,
         num_splits, rows, kv_split or None)
+    o_stride_split, o_stride_row, _ = partial_o.stride()
+    stats_strides = stats.stride()
     args = (
         partial_o.data_ptr(), stats.data_ptr(),
         split_counts.data_ptr() if split_counts is not None else 0,
         sinks.data_ptr() if sinks is not None else 0,
         out.data_ptr(), out_stats.data_ptr() if out_stats is not None else 0,
         num_splits, rows, sinks.numel() if sinks is not None else 1,
-        partial_o.stride(0), partial_o.stride(1), stats.stride(0), stats.stride(1), out.stride(0),
+        o_stride_split, o_stride_row, stats_strides[0], stats_strides[1], out.stride(0),
         log2_scale, export_scale, head_dim, _DTYPE_CODES[partial_o.dtype],
         _DTYPE_CODES[out.dtype], stats_format, family, slices, k, depth,
     )
     if facts.is_cuda:
         if not _native.has_cuda_kernels():
             raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
-        stream = torch._C._cuda_getCurrentRawStream(partial_o.get_device())
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
         _native.ext().merge_cuda(*args, facts.sm_count, dispatcher.pdl_enabled(), stream)
     else:
         _native.ext().merge_cpu(*args)
@@ -280,12 +298,12 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     Tensor, or (Tensor, Tensor) with ``return_stats``. A row with no
     non-empty split is 0 with stats (-inf, 0).
     """
-    if isinstance(scale_log2, bool) or not isinstance(scale_log2, numbers.Real):
+    if type(scale_log2) is not float and not _is_real(scale_log2):
         raise TypeError(f"scale_log2 must be a real number, got {type(scale_log2).__name__}")
     if not (math.isfinite(scale_log2) and 0 < scale_log2 <= _FLOAT32_MAX):
         raise ValueError(f"scale_log2 must be positive and finite in float32, got {scale_log2}")
     _, rows, head_dim, out_dtype = _validate_common(
-        partial_o, ("partial_stats", partial_stats), (2,), sinks, split_counts, out, kv_split)
+        partial_o, "partial_stats", partial_stats, (2,), sinks, split_counts, out, kv_split)
     fresh_out = out is None
     if fresh_out:
         out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
@@ -320,12 +338,12 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     Tensor, or (Tensor, Tensor) with ``return_lse``. A row with no non-empty
     split is 0 with LSE -inf.
     """
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+    if type(base) is not float and not _is_real(base):
         raise TypeError(f"base must be 2.0 or math.e, got {type(base).__name__}")
     if base not in (2.0, math.e):
         raise ValueError(f"base must be 2.0 or math.e, got {base}")
     _, rows, head_dim, out_dtype = _validate_common(
-        partial_o, ("partial_lse", partial_lse), (), sinks, split_counts, out, kv_split)
+        partial_o, "partial_lse", partial_lse, (), sinks, split_counts, out, kv_split)
     fresh_out = out is None
     if fresh_out:
         out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)

@@ -119,18 +119,11 @@ int launch_producer(void* partial_o, int64_t o_elems, float* stats, int64_t num_
   int64_t blocks = blocks_for(threads);
   if (blocks > 8192) blocks = 8192;
   if (blocks < 1) return 0;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(kProbeThreads);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&config, producer_kernel, static_cast<uint4*>(partial_o),
-                                             o_vecs, reinterpret_cast<float2*>(stats), num_stats,
-                                             static_cast<uint32_t>(seed)));
+  PdlLaunch launch(static_cast<unsigned>(blocks), kProbeThreads, 0,
+                   static_cast<cudaStream_t>(stream), pdl);
+  return static_cast<int>(cudaLaunchKernelEx(
+      &launch.config, producer_kernel, static_cast<uint4*>(partial_o), o_vecs,
+      reinterpret_cast<float2*>(stats), num_stats, static_cast<uint32_t>(seed)));
 }
 
 }  // namespace kvsplit

@@ -99,4 +99,25 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// A launch configuration carrying the programmatic-dependent-launch attribute
+// (on or off). Not copyable: config.attrs points into the object itself.
+struct PdlLaunch {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute[1] = {};
+
+  PdlLaunch(unsigned grid, unsigned threads, size_t dynamic_smem_bytes, cudaStream_t stream,
+            bool pdl) {
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = dynamic_smem_bytes;
+    config.stream = stream;
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  PdlLaunch(const PdlLaunch&) = delete;
+  PdlLaunch& operator=(const PdlLaunch&) = delete;
+};
+
 }  // namespace kvsplit

@@ -164,18 +164,11 @@ cudaError_t launch_merge_config(const MergeParams& p, int sm_count, bool pdl, cu
     if (p.rows == 0) return cudaSuccess;
     const int64_t num_slices = (p.rows + kRowsPerSlice - 1) / kRowsPerSlice;
     const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap));
-    config.blockDim = dim3(kThreadsPerCta);
-    config.dynamicSmemBytes = 0;
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>,
-                              p, num_slices);
+    PdlLaunch launch(static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap),
+                     kThreadsPerCta, 0, stream, pdl);
+    return cudaLaunchKernelEx(&launch.config,
+                              merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>, p,
+                              num_slices);
   }
 }
 

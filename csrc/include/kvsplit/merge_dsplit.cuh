@@ -177,20 +177,13 @@ cudaError_t launch_dsplit_typed(const MergeParams& p, int head_dim, int slices, 
                            head_dim / slices, p.rows * slices};
   const int warps = threads / 32;
   constexpr int64_t kGridCap = int64_t{1} << 30;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(geo.items < kGridCap ? geo.items : kGridCap));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  PdlLaunch launch(static_cast<unsigned>(geo.items < kGridCap ? geo.items : kGridCap),
+                   static_cast<unsigned>(threads),
+                   warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
   if (depth == 8) {
-    return cudaLaunchKernelEx(&config, dsplit_kernel<kPartial, kOut, kFormat, 8>, p, geo);
+    return cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, 8>, p, geo);
   }
-  return cudaLaunchKernelEx(&config, dsplit_kernel<kPartial, kOut, kFormat, 4>, p, geo);
+  return cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, 4>, p, geo);
 }
 
 }  // namespace kvsplit

@@ -61,6 +61,7 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     import torch
 
     from ..db import TuningKey, open_store
+    from ..dispatch.constraints import configs_for_key
     from ..dispatch.device import device_facts
     from ..dispatch.keys import device_info
     from .tuner import tune
@@ -77,7 +78,8 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
             if not force and store.get(key) is not None:
                 report(("skipped", raw, None))
                 continue
-            record = tune(key, target, l2_state=l2)
+            record = tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"),
+                          l2_state=l2)
             store.upsert(record)
             report(("tuned", raw, record.model_dump_json()))
         except Exception as error:  # one failed key must not stop the grid
@@ -115,7 +117,7 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
     exactly the keys that calls will look up. Resumable: keys already stored
     are skipped unless --force. Exits 1 if any key failed.
     """
-    from .. import _native
+    from ..config import build_hash
     from ..db import StoreError, open_store
     from ..dispatch import pending as pending_keys
     from ..dispatch.device import device_facts
@@ -127,7 +129,6 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
         open_store(db_url).close()  # fail fast, with the store's message, on a bad URL
     except StoreError as error:
         raise click.ClickException(str(error)) from None
-    build = _native.ext().build_hash
     work: dict[str, list[str]] = {str(d): [] for d in targets}
     if pending:
         # Each pending key goes to a target of its own device model (others are skipped).
@@ -145,7 +146,9 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
         keys = []
         for i, (d, dtype, fmt, n, r) in enumerate(shapes):
             target = targets[i % len(targets)]
-            key = tuning_key(device_facts(target), build, d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
+            facts = device_facts(target)
+            key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt,
+                             n, r)
             if key not in keys:
                 keys.append(key)
                 work[str(target)].append(key.model_dump_json())

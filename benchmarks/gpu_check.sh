@@ -31,7 +31,7 @@ for stage in "${stages[@]}"; do
       python3 -m pip install -v --no-build-isolation --no-deps --target /tmp/kv . \
         > /tmp/kvsplit-build.log 2>&1 || { tail -40 /tmp/kvsplit-build.log | tee -a "$LOG"; exit 1; }
       grep -E "warning|spill" /tmp/kvsplit-build.log | sort | uniq -c | head -20 | tee -a "$LOG"
-      python3 -P -c "import kvsplit._ext as e; print('built', e.build_hash, e.cuda_architectures)" ;;
+      python3 -P -c "import kvsplit._ext as e; print('built', e.cuda_build_hash, e.cpu_build_hash, e.cuda_architectures)" ;;
     tests)
       python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -74,7 +74,7 @@ def no_tuning(monkeypatch):
 def key_for(head_dim, num_splits, rows, *, dtype="bfloat16", out_dtype=None, stats_format="maxsum",
             device="cpu"):
     """The (bucketed) tuning key the dispatcher looks up for a call of this shape."""
-    return tuning_key(device_facts(torch.device(device)), build_hash(False), head_dim, dtype,
+    return tuning_key(device_facts(torch.device(device)), build_hash(device != "cpu"), head_dim, dtype,
                       out_dtype or dtype, stats_format, num_splits, rows)
 
 

@@ -15,7 +15,7 @@ from .configs import FAMILIES, check_config
 from .connect import open_store, open_store_for_library, open_store_for_repair
 from .decode import Damage
 from .engine import DEFAULT_TIMEOUT_S, ENV_VAR, default_url, resolve_url
-from .errors import DamagedRows, DbWarning, InvalidExportError, SchemaDamaged, SchemaTooNew, StoreError
+from .errors import DamagedRows, DbWarning, InvalidExportError, NoDatabase, SchemaDamaged, SchemaTooNew, StoreError
 from .migrate import head_revision
 from .schemas import (
     BASELINE,
@@ -55,6 +55,7 @@ __all__ = [
     "ImportSummary",
     "InvalidExportError",
     "KernelBuildInfo",
+    "NoDatabase",
     "KernelConfig",
     "PruneResult",
     "RepairResult",

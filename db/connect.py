@@ -8,7 +8,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from .engine import DEFAULT_TIMEOUT_S, create_db_engine, describe_error, display_url, resolve_url, sqlite_file
-from .errors import DbWarning, StoreError
+from .errors import DbWarning, NoDatabase, StoreError
 from .migrate import ensure_schema, head_revision, restore_schema
 from .store import OnDamage, Store, memory_engine
 
@@ -17,7 +17,7 @@ def _engine(url: str | None, timeout_s: float, *, create: bool) -> Engine:
     resolved = resolve_url(url)
     path = sqlite_file(resolved)
     if not create and path is not None and not path.exists():
-        raise StoreError(
+        raise NoDatabase(
             f"{display_url(resolved)}: no such database file; check the path given with --db / KVSPLIT_DB "
             f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db import` do)"
         )

@@ -10,6 +10,10 @@ class StoreError(Exception):
     """
 
 
+class NoDatabase(StoreError):
+    """There is no database to read: no such SQLite file, or no kvsplit tables (commands that only read)."""
+
+
 class SchemaTooNew(StoreError):
     """The database was written by a newer kvsplit whose schema revision this code does not know."""
 

@@ -20,7 +20,7 @@ import re
 from sqlalchemy import Connection, Engine, inspect, text
 
 from .engine import WRITE_OPTION, display_url
-from .errors import SchemaDamaged, SchemaTooNew, StoreError
+from .errors import NoDatabase, SchemaDamaged, SchemaTooNew
 from .models import Base
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -226,7 +226,7 @@ def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
     if found == head:
         return None
     if found is None and not create:
-        raise StoreError(f"{display_url(str(engine.url))}: holds no kvsplit tuning tables yet; "
+        raise NoDatabase(f"{display_url(str(engine.url))}: holds no kvsplit tuning tables yet; "
                          f"`kvsplit tune` or `kvsplit db import` creates them")
     before, _ = upgrade(engine, "head")
     return before if before not in (None, head) else None

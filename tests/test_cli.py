@@ -197,7 +197,7 @@ def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_pat
     not_a_db = tmp_path / "garbage.sqlite"
     not_a_db.write_bytes(b"definitely not sqlite" * 64)
     result = kvsplit("tune", *GRID, "--db", f"sqlite:///{not_a_db}")
-    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.exit_code == 3 and "Traceback" not in result.output
     assert "garbage.sqlite" in result.output
 
 

@@ -142,7 +142,8 @@ def test_invalid_import_exits_2_and_writes_nothing(filled, tmp_path):
     assert "nothing was written" in result.output
     assert "record 3: winner: kvsplit.kv_split=3 is not one of 1, 2, 4, 8, 16" in result.output
     assert "record 5: candidates.0.median_us" in result.output
-    assert json.loads(run("--db", target, "list", "--json").stdout) == []
+    assert not (tmp_path / "target.sqlite").exists()  # not even created
+    assert run("--db", target, "list", "--json").exit_code == 3
     garbage = tmp_path / "garbage.json"
     garbage.write_text("not json at all")
     assert run("--db", target, "import", str(garbage)).exit_code == 2
@@ -153,7 +154,7 @@ def test_prune_dry_run_then_real(filled):
     dry = run("--db", filled, "prune", "--older-than", "30d", "--dry-run")
     assert dry.exit_code == 0 and "would delete 5 tuning results" in dry.stdout
     assert len(json.loads(run("--db", filled, "list", "--json").stdout)) == 11
-    stale = json.loads(run("--db", filled, "prune", "--stale-builds", "--json").stdout)
+    stale = json.loads(run("--db", filled, "prune", "--stale-builds", "--current-build", "build-b", "--json").stdout)
     assert stale["count"] == 5 and not stale["dry_run"]
     assert {k["build_hash"] for k in stale["keys"]} == {"build-a"}
     others = json.loads(run("--db", filled, "prune", "--other-devices-than", "H200", "--json").stdout)
@@ -201,7 +202,7 @@ def test_database_problems_exit_3_with_one_line(tmp_path):
     cases = {
         "nosuchdialect://x": "bad database URL",
         str(garbage): "corrupt or not an SQLite database",
-        str(tmp_path / "missing-dir" / "t.sqlite"): "cannot open the database file",
+        str(tmp_path / "missing-dir" / "t.sqlite"): "no such database file",
     }
     for url, message in cases.items():
         result = run("--db", url, "list")

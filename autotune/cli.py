@@ -250,5 +250,6 @@ def _summarize(outcomes, elapsed: float, as_json: bool, console: Console) -> Non
     table.add_row("speed-up over K=1 (geomean)", f"{geomean:.2f}x" if geomean else "-")
     Console().print(table)
     for failure in summary["failures"]:
-        console.print(f"[red]failed[/red] {_key_text(failure['key'])}: ", end="")
-        console.print(failure["error"], markup=False, highlight=False)
+        # One line per key, unwrapped, the error as it is (no markup in it).
+        console.print(f"[red]failed[/red] {_key_text(failure['key'])}: ", end="", soft_wrap=True)
+        console.print(failure["error"], markup=False, highlight=False, soft_wrap=True)

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
-from sqlalchemy import Boolean, ColumnElement, Float, Integer, Select, String, Table, select, type_coerce
+from sqlalchemy import Boolean, ColumnElement, Float, Integer, Select, String, Table, inspect, select, type_coerce
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import ColumnClause, FunctionElement
@@ -412,9 +412,15 @@ class Scan(NamedTuple):
 
 
 def scan(session: Session) -> Scan:
-    """Read every row of every table (no joins, so dangling and orphaned rows show too)."""
+    """Read every row of every table (no joins, so dangling and orphaned rows show too).
+
+    A missing table reads as empty (``repair --dry-run`` scans before it is recreated).
+    """
+    present = set(inspect(session.connection()).get_table_names())
     raw = {
         t.name: {m["id"]: dict(m) for m in session.execute(select(*raw_columns(t)).order_by(t.c.id)).mappings()}
+        if t.name in present
+        else {}
         for t in TABLES
     }
     damage: dict[tuple[str, Any], Damage] = {}

@@ -104,10 +104,11 @@ def _json_flag(function: Any) -> Any:
 def db() -> None:
     """Inspect, share, clean and repair the tuning database.
 
-    --db goes before or after the subcommand. Commands that only read (list,
-    show, stats, export, plot) never create a database. Every command but
-    repair refuses a database with rows that do not parse (exit 3) and says
-    to run `kvsplit db repair`, which moves them to a quarantine file.
+    --db goes before or after the subcommand. Only import creates a
+    database: the others, given a path that does not exist, say so (exit 3).
+    Every command but repair refuses a database with rows that do not parse
+    (exit 3) and says to run `kvsplit db repair`, which moves them to a
+    quarantine file.
 
     \b
     Exit codes:

@@ -18,7 +18,8 @@ from typing import Any
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from .decode import CANDIDATES, TABLES, scan
+from .decode import CANDIDATES, TABLES
+from .reads import scan
 from .engine import default_quarantine_path
 from .schemas import RepairResult
 

@@ -8,7 +8,8 @@ from typing import NamedTuple
 from sqlalchemy import ColumnElement, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from .decode import Damage, parse_timestamp, raw_columns, read_records
+from .decode import Damage, parse_timestamp, raw_columns
+from .reads import read_records
 from .models import KEY_COLUMNS, Candidate, Device, KernelBuild, TuningResult
 from .schemas import DeviceInfo, TuningKey, TuningRecord
 

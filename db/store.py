@@ -25,7 +25,8 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from . import repair as repairing
-from .decode import Damage, read_records, scan
+from .decode import Damage
+from .reads import read_records, scan
 from .engine import DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, describe_error, display_url, is_memory_url
 from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, _listed
 from .migrate import ensure_schema

@@ -112,7 +112,7 @@ def _worker_main(device, keys, db_url, l2, force, queue) -> None:
 
 @click.command()
 @click.option("--head-dim", "head_dims", default="512,128", show_default=True, callback=_head_dims,
-              help="Head dims, comma-separated (64, 128, 256, 512).")
+              help="Head dims, comma-separated, each one the installed kernels support.")
 @click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
               callback=_words(("bfloat16", "float16", "float32")),
               help="Partial dtypes (float32 partials produce bfloat16).")

@@ -7,8 +7,8 @@ drops the ones that measurements on an H200 never saw win before anything is
 timed. Every candidate's output is compared with KvSplit K = 1; a mismatch
 disqualifies it (and is logged). A candidate that raises (a launch failure)
 is recorded as failed (0 samples) and scores inf; the search goes on, and
-only a key with no working candidate at all raises :class:`NoWorkingCandidate`. Times come from CUDA-graph replay on GPUs
-and from a host clock on the CPU. The winner is the fastest median, except
+only a key with no working candidate at all raises :class:`NoWorkingCandidate`.
+Times come from CUDA-graph replay on GPUs and from a host clock on the CPU. The winner is the fastest median, except
 that a simpler config (fewer groups per row) within ``noise_margin`` of it
 wins instead.
 """

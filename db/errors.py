@@ -26,7 +26,7 @@ class SchemaTooNew(StoreError):
 REPAIR_HINT = "run `kvsplit db repair` to move them to a quarantine file (`--dry-run` lists them first)"
 
 
-def _listed(items: list, shown: int = 3) -> str:
+def listed(items: list, shown: int = 3) -> str:
     text = "; ".join(str(item) for item in items[:shown])
     return text + (f"; and {len(items) - shown} more" if len(items) > shown else "")
 
@@ -43,7 +43,7 @@ class DamagedRows(StoreError):
     def __init__(self, url: str, damage: list) -> None:
         self.damage = list(damage)
         rows = "row does" if len(self.damage) == 1 else "rows do"
-        super().__init__(f"{url}: {len(self.damage)} {rows} not parse ({_listed(self.damage)}); {REPAIR_HINT}")
+        super().__init__(f"{url}: {len(self.damage)} {rows} not parse ({listed(self.damage)}); {REPAIR_HINT}")
 
 
 class SchemaDamaged(StoreError):

@@ -4,7 +4,8 @@ Every operation is one short transaction.  Rows become the pydantic models of
 :mod:`.schemas` in :mod:`.decode` only, before the session closes; none leaves.
 A row that does not parse is never an exception in a read: the store raises
 :class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it
-with one :class:`DbWarning` per row (``"warn"``, library callers).
+with a :class:`DbWarning` that names each row once (``"warn"``, library
+callers).
 A store opened with ``fallback=True`` (library callers) never raises for a
 database problem: it warns once and carries on with an in-memory database.
 """
@@ -28,7 +29,7 @@ from . import repair as repairing
 from .decode import Damage
 from .reads import read_records, scan
 from .engine import DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, describe_error, display_url, is_memory_url
-from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, _listed
+from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, listed
 from .migrate import ensure_schema
 from .models import Device, KernelBuild, TuningResult
 from .rows import device_is, find_for_write, key_conditions, merge_records, prune_results, stale_build_ids, write_record
@@ -203,7 +204,7 @@ class Store:
             rows = "row that does" if len(new) == 1 else "rows that do"
             warnings.warn(
                 f"kvsplit tuning database {self.url}: skipped {len(new)} {rows} not parse "
-                f"({_listed(new)}); {REPAIR_HINT}",
+                f"({listed(new)}); {REPAIR_HINT}",
                 DbWarning,
                 stacklevel=3,
             )

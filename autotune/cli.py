@@ -76,6 +76,7 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     import torch
 
     from ..db import StoreError, TuningKey, open_store
+    from ..dispatch.constraints import configs_for_key
     from ..dispatch.device import device_facts
     from ..dispatch.keys import device_info
     from .tuner import tune
@@ -94,7 +95,8 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
             if not force and store.get(key) is not None:
                 report(("skipped", raw, None))
                 continue
-            record = tune(key, target, l2_state=l2)
+            record = tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"),
+                          l2_state=l2)
             store.upsert(record)
             report(("tuned", raw, record.model_dump_json()))
         except StoreError:
@@ -141,12 +143,12 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     """
     import warnings
 
+    from ..config import build_hash
     from ..db import DbWarning, open_store
     from ..db.errors import REPAIR_HINT
     from ..dispatch import pending as pending_keys
     from ..dispatch.device import device_facts
     from ..dispatch.keys import tuning_key
-    from ..installed import build_hash
 
     console = Console(stderr=True)
     targets = _devices(devices)
@@ -156,7 +158,6 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     if damage:
         warnings.warn(f"{store.url}: {len(damage)} rows do not parse; tuning goes on and re-tunes any "
                       f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
-    build = build_hash()
     work: dict[str, list[str]] = {str(d): [] for d in targets}
     if pending:
         # Each pending key goes to a target of its own device model (others are skipped).
@@ -174,7 +175,9 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
         keys = []
         for i, (d, dtype, fmt, n, r) in enumerate(shapes):
             target = targets[i % len(targets)]
-            key = tuning_key(device_facts(target), build, d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
+            facts = device_facts(target)
+            key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt,
+                             n, r)
             if key not in keys:
                 keys.append(key)
                 work[str(target)].append(key.model_dump_json())

@@ -1,16 +1,17 @@
-"""Profiles every valid config for one tuning key and picks the winner.
+"""Profiles the candidate configs of one tuning key and picks the winner.
 
 Scratch tensors of the key's shape are made on the target device (never the
-caller's tensors). A candidate is a :class:`Config` of either kernel family
-(on the CPU only KvSplit: DSplit's slices are a GPU matter); :func:`prune`
+caller's tensors). The candidates are the caller's (the dispatcher's
+constraints decide what is valid: both families on a GPU, KvSplit on the
+CPU, whose slices are a GPU matter); :func:`prune`
 drops the ones that measurements on an H200 never saw win before anything is
 timed. Every candidate's output is compared with KvSplit K = 1; a mismatch
 disqualifies it (and is logged). A candidate that raises (a launch failure)
 is recorded as failed (0 samples) and scores inf; the search goes on, and
 only a key with no working candidate at all raises :class:`NoWorkingCandidate`.
-Times come from CUDA-graph replay on GPUs and from a host clock on the CPU. The winner is the fastest median, except
-that a simpler config (fewer groups per row) within ``noise_margin`` of it
-wins instead.
+Times come from CUDA-graph replay on GPUs and from a host clock on the CPU.
+The winner is the fastest median, except that a simpler config (fewer groups
+per row) within ``noise_margin`` of it wins instead.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..db import CandidateResult, KernelConfig, TuningPolicy, TuningRecord
+from .. import _kernel
+from ..config import BASELINE, STATS_FORMAT_CODES, KernelConfig
+from ..db import CandidateResult, TuningPolicy, TuningRecord
 from ..db.transfer import tool_version
-from ..dispatch.constraints import DSPLIT, KVSPLIT, Config, kvsplit_config, valid_configs
+from ..reference import random_partials
 from .timing import Timing, time_cuda_graphs, time_host
 
 log = logging.getLogger("kvsplit.autotune")
@@ -34,17 +37,11 @@ _MATCH_TOLERANCE = 1e-2  # relative norm vs kv_split=1: a different summation or
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-Candidate = Config  # what the tuner tries: a kernel family and its parameters
-BASELINE = kvsplit_config(1)
+Candidate = KernelConfig  # what the tuner tries: a kernel family and its parameters
 
 
 class NoWorkingCandidate(RuntimeError):
     """Every candidate config of a key raised or disagreed with K = 1: nothing to record."""
-
-
-def to_db(config: Config) -> KernelConfig:
-    """The database's form of a config."""
-    return KernelConfig(family=config.family_name, params=config.params())
 
 
 # Pruning, from a sweep of every config over the benchmark grid on an H200
@@ -53,7 +50,7 @@ def to_db(config: Config) -> KernelConfig:
 _TARGET_THREADS = 65536
 
 
-def prune(configs: list[Config], key) -> list[Config]:
+def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     """The configs worth timing at ``key``: two group counts K around the
     shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
     closest to 128 threads, and 8-deep rounds besides 4-deep ones only when a
@@ -67,12 +64,12 @@ def prune(configs: list[Config], key) -> list[Config]:
     # Per K, the two slice counts whose CTAs come closest to 128 threads.
     slices = {}
     for k in ks | {spare}:
-        options = sorted({c.slices for c in configs if c.family == DSPLIT and c.kv_split == k},
+        options = sorted({c.slices for c in configs if c.family == "dsplit" and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
         slices[k] = set(options[:1 if k == spare else 2])
     kept = []
     for c in configs:
-        if c.family == KVSPLIT:
+        if c.family == "kvsplit":
             keep = c.kv_split == 1 or c.kv_split in ks
         elif c.kv_split == spare:
             keep = c.slices in slices[spare] and c.depth == 4
@@ -87,35 +84,21 @@ def prune(configs: list[Config], key) -> list[Config]:
     return kept
 
 
-def candidates(key, *, max_split: int | None = None, is_cuda: bool = True,
-               pruned: bool = True) -> list[Config]:
-    """Every config that satisfies its family's rules at the key's shape.
-
-    On a GPU both families, pruned unless ``pruned=False``; on the CPU every
-    KvSplit K (at most five).
-    """
-    configs = valid_configs(
-        head_dim=key.head_dim, elem_bytes=_DTYPES[key.partial_dtype].itemsize, rows=key.rows,
-        num_splits=key.num_splits, sm_count=key.device.sm_count if is_cuda else None,
-        max_split=max_split, families=(KVSPLIT, DSPLIT) if is_cuda else (KVSPLIT,))
-    return prune(configs, key) if pruned and is_cuda else configs
-
-
-def simplicity(config: Config) -> tuple[int, int, int, int]:
+def simplicity(config: KernelConfig) -> tuple[int, int, int, int]:
     """Order among near-ties: fewer groups per row, then KvSplit, fewer slices, less depth."""
-    return (config.kv_split * config.slices, config.family, config.slices, config.depth)
+    return (config.kv_split * config.slices, config.family_code, config.slices, config.depth)
 
 
 class _Scratch:
-    """Random, self-consistent inputs of the key's shape on ``device``."""
+    """Random, self-consistent inputs of the key's shape on ``device``, and a plan per candidate."""
 
     def __init__(self, key, device: torch.device, copies: int, seed: int = 0):
-        from ..reference import random_partials
-
         # Made on the device itself: building large scratch sets on the host
         # would dominate the first-use tuning time.
         g = torch.Generator(device).manual_seed(seed)
         self.key = key
+        self.stats_format = STATS_FORMAT_CODES[key.stats_format]
+        self.device = device
         self.sets = []
         for _ in range(copies):
             o, stats = random_partials(key.num_splits, key.rows, key.head_dim,
@@ -123,15 +106,17 @@ class _Scratch:
             out = torch.empty(key.rows, key.head_dim, dtype=_DTYPES[key.out_dtype], device=device)
             self.sets.append((o.to(device, _DTYPES[key.partial_dtype]), stats.to(device), out))
 
-    def run(self, candidate: Candidate, index: int = 0) -> torch.Tensor:
-        from .. import merge
-
-        o, stats, out = self.sets[index % len(self.sets)]
+    def plan(self, candidate: Candidate) -> _kernel.Plan:
+        """The launch of ``candidate`` on these sets (the config that is recorded, whatever
+        KVSPLIT_* says)."""
+        o, stats, out = self.sets[0]
         maxsum = self.key.stats_format == "maxsum"
-        # config=: measure the config that is recorded, whatever KVSPLIT_* says.
-        merge._launch(merge.MAXSUM if maxsum else merge.LSE, o, stats, None, None, out, None,
-                      1.0, merge._LN2 if maxsum else 1.0, 0, fresh_out=True, config=candidate)
-        return out
+        return _kernel.Plan(candidate, self.stats_format, o, stats, out, None,
+                            math.log(2.0) if maxsum else 1.0)
+
+    def run(self, plan: _kernel.Plan, index: int = 0) -> torch.Tensor:
+        o, stats, out = self.sets[index % len(self.sets)]
+        return _kernel.run(plan, o, stats, out, 1.0)
 
 
 _REPLAY_US = 120.0  # a replay's target length on a GPU
@@ -153,12 +138,12 @@ def pick_winner(timings: dict[Candidate, Timing], noise_margin: float) -> Candid
                key=simplicity)
 
 
-def _measure(configs: list[Candidate], scratch: _Scratch, key, *, is_cuda: bool, batch: int,
-             replays: int) -> dict[Candidate, Timing]:
+def _measure(configs: list[Candidate], scratch: _Scratch, plans: dict, key, *, is_cuda: bool,
+             batch: int, replays: int) -> dict[Candidate, Timing]:
     """Timings of the configs that time without raising (the others are left out, and logged)."""
     if is_cuda:  # all candidates replayed in turns: drift touches them alike
         try:
-            return time_cuda_graphs({c: (lambda i, c=c: scratch.run(c, i)) for c in configs},
+            return time_cuda_graphs({c: (lambda i, p=plans[c]: scratch.run(p, i)) for c in configs},
                                     batch=batch, replays=replays)
         except Exception:  # noqa: BLE001 - find the one that raised: time each alone
             log.debug("kvsplit: timing the candidates together raised; timing each alone")
@@ -166,10 +151,11 @@ def _measure(configs: list[Candidate], scratch: _Scratch, key, *, is_cuda: bool,
     for c in configs:
         try:
             if is_cuda:
-                measured[c] = time_cuda_graphs({c: lambda i, c=c: scratch.run(c, i)}, batch=batch,
-                                               replays=replays)[c]
+                measured[c] = time_cuda_graphs({c: lambda i, p=plans[c]: scratch.run(p, i)},
+                                               batch=batch, replays=replays)[c]
             else:
-                measured[c] = time_host(lambda i, c=c: scratch.run(c, i), batch=2, replays=replays)
+                measured[c] = time_host(lambda i, p=plans[c]: scratch.run(p, i), batch=2,
+                                        replays=replays)
         except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
             log.warning("kvsplit: %s raised while timed for %s (%s: %s); recorded as failed",
                         c.label, key.choice_key, type(error).__name__, error)
@@ -177,14 +163,15 @@ def _measure(configs: list[Candidate], scratch: _Scratch, key, *, is_cuda: bool,
 
 
 def _failed(candidate: Candidate) -> CandidateResult:
-    return CandidateResult(config=to_db(candidate), median_us=0.0, p10_us=0.0, p90_us=0.0,
-                           samples=0, matched=False)
+    return CandidateResult(config=candidate, median_us=0.0, p10_us=0.0, p90_us=0.0, samples=0,
+                           matched=False)
 
 
-def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: float = NOISE_MARGIN,
-         max_split: int | None = None, batch: int = 12, replays: int = 11,
+def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: str = "warm",
+         noise_margin: float = NOISE_MARGIN, batch: int = 12, replays: int = 11,
          pruned: bool = True) -> TuningRecord:
-    """Profile the candidates for ``key`` on ``device``; return the record (not stored).
+    """Profile ``configs`` (pruned on GPUs unless ``pruned=False``) for ``key`` on ``device``;
+    return the record (not stored). KvSplit K = 1, the reference, is always timed.
 
     Raises
     ------
@@ -192,6 +179,9 @@ def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: flo
         K = 1 (the reference) raised, or no candidate could be timed.
     """
     is_cuda = device.type == "cuda"
+    configs = prune(configs, key) if pruned and is_cuda else list(configs)
+    if BASELINE not in configs:
+        configs.insert(0, BASELINE)
     copies = 1
     if l2_state == "cold" and is_cuda:
         copies = _copies_for_cold(key, torch.cuda.get_device_properties(device).L2_cache_size)
@@ -201,17 +191,18 @@ def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: flo
     with torch.cuda.device(device) if is_cuda else contextlib.nullcontext():
         scratch = _Scratch(key, device, copies)
         try:
-            reference = scratch.run(BASELINE).float().clone()
+            reference = scratch.run(scratch.plan(BASELINE)).float().clone()
         except Exception as error:  # noqa: BLE001 - reported to the caller as one clear error
             raise NoWorkingCandidate(f"no candidate config works for {key.choice_key}: kv_split=1, "
                                      f"the reference, raised {type(error).__name__}: {error}") from error
         timings: dict[Candidate, Timing] = {}
         results = []
-        configs = candidates(key, max_split=max_split, is_cuda=is_cuda, pruned=pruned)
         matched = {}
+        plans = {}
         for candidate in configs:
             try:
-                got = scratch.run(candidate).float()
+                plans[candidate] = scratch.plan(candidate)
+                got = scratch.run(plans[candidate]).float()
             except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
                 log.warning("kvsplit: %s raised for %s (%s: %s); recorded as failed",
                             candidate.label, key.choice_key, type(error).__name__, error)
@@ -221,8 +212,8 @@ def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: flo
             if not matched[candidate]:
                 log.warning("kvsplit: %s disagrees with kv_split=1 for %s (relative error %.3g); "
                             "disqualified", candidate.label, key.choice_key, error)
-        measured = _measure([c for c in configs if c in matched], scratch, key, is_cuda=is_cuda,
-                            batch=max(batch, copies), replays=replays)
+        measured = _measure([c for c in configs if c in matched], scratch, plans, key,
+                            is_cuda=is_cuda, batch=max(batch, copies), replays=replays)
         for candidate in configs:
             timing = measured.get(candidate)
             if timing is None:  # raised: recorded as failed; it scores inf, so it never wins
@@ -230,15 +221,14 @@ def tune(key, device: torch.device, *, l2_state: str = "warm", noise_margin: flo
                 continue
             if matched[candidate]:
                 timings[candidate] = timing
-            results.append(CandidateResult(config=to_db(candidate), median_us=timing.median_us,
+            results.append(CandidateResult(config=candidate, median_us=timing.median_us,
                                            p10_us=timing.p10_us, p90_us=timing.p90_us,
                                            samples=timing.samples, matched=matched[candidate]))
     if not timings:
         raise NoWorkingCandidate(f"no candidate config works for {key.choice_key}: every one raised "
                                  f"or disagreed with kv_split=1")
     winner = pick_winner(timings, noise_margin)
-    return TuningRecord(key=key, winner=to_db(winner),
+    return TuningRecord(key=key, winner=winner,
                         policy=TuningPolicy(l2_state=l2_state, repeats=replays,
                                             noise_margin=noise_margin),
                         candidates=results, tool_version=tool_version())
-

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from kvsplit import _native, merge
+from kvsplit import _kernel, _native, merge
 from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
 from kvsplit.dispatch.constraints import DSPLIT, KVSPLIT, valid_configs
 
@@ -45,8 +45,7 @@ def per_pair_us(o, stats, out, scale, config, pdl: bool) -> float:
     def step(i):
         produce(o, stats, pdl, i)
         if config is not None:
-            merge._launch(merge.MAXSUM, o, stats, None, None, out, None, scale, merge._LN2, 0,
-                          fresh_out=True, config=config)
+            _kernel.launch(config, merge.MAXSUM, o, stats, out, scale, merge._LN2, pdl=pdl)
 
     try:
         return time_cuda_graph(step, batch=PAIRS).median_us
@@ -62,9 +61,8 @@ def bench_shape(head_dim, rows, num_splits):
     produce(o, stats, False, 0)
     configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows, num_splits=num_splits,
                             sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
-    warm = {c: time_cuda_graph(lambda i, c=c: merge._launch(
-        merge.MAXSUM, o, stats, None, None, out, None, scale, merge._LN2, 0, fresh_out=True,
-        config=c)).median_us for c in configs}
+    warm = {c: time_cuda_graph(lambda i, c=c: _kernel.launch(
+        c, merge.MAXSUM, o, stats, out, scale, merge._LN2)).median_us for c in configs}
     result = {"head_dim": head_dim, "rows": rows, "num_splits": num_splits,
               "producer_us": per_pair_us(o, stats, out, scale, None, False), "configs": {}}
     for family in (KVSPLIT, DSPLIT):

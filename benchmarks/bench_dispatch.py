@@ -1,4 +1,4 @@
-"""Dispatcher benchmarks: regret, first-use tuning time, host overhead.
+"""Dispatcher benchmarks: regret and first-use tuning time.
 
 Run on a GPU machine:  python -P benchmarks/bench_dispatch.py [--out DIR]
 (with KVSPLIT_DB filled by `kvsplit tune` over the benchmark grid, or empty).
@@ -8,8 +8,7 @@ stored choice for the shape's bucket, the shipped table, or profiling of the
 pruned candidates at first use) over the best of *every* valid config of
 both families, measured in the same run; on the benchmark grid and on 32
 shapes the tuning grid did not see.
-Host overhead: microseconds per call (no sync) of merge_maxsum(kv_split=None)
-after the first call, of a forced-K call, and of the raw binding.
+(Host time per call: benchmarks/bench_host.py.)
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import time
 import torch
 
 import kvsplit
-from kvsplit import _native, merge
+from kvsplit import _kernel, _native, merge
 from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graphs
 from kvsplit.dispatch.constraints import valid_configs
 from kvsplit.dispatch.device import device_facts
@@ -51,8 +50,7 @@ def regret(g, sm_count, shapes):
         configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
                                 num_splits=num_splits, sm_count=sm_count)
         # Every config replayed in turns (fair against drift), as the tuner does.
-        timings = time_cuda_graphs({c: (lambda i, c=c: merge._launch(
-            merge.MAXSUM, o, stats, None, None, out, None, 0.1, merge._LN2, 0, config=c))
+        timings = time_cuda_graphs({c: (lambda i, c=c: _kernel.launch(c, merge.MAXSUM, o, stats, out, 0.1, merge._LN2))
             for c in configs}, batch=32, replays=15)
         times = {c: t.median_us for c, t in timings.items()}
         torch.cuda.synchronize()
@@ -73,44 +71,6 @@ def regret(g, sm_count, shapes):
               f"auto {auto.label} ({r['source']}, first call {first_ms:.1f} ms) "
               f"regret {100 * r['regret']:.1f}%", flush=True)
     return rows_out
-
-
-def host_overhead(g, calls=20000):
-    o, stats = make(16, 64, 512, g)
-    out = torch.empty(64, 512, dtype=torch.bfloat16, device="cuda")
-    ext = _native.ext()
-    facts = device_facts(o.device)
-    config = dispatcher.choose(facts, o.device, 512, o.dtype, out.dtype, 0, 16, 64, None)
-    args = (o.data_ptr(), stats.data_ptr(), 0, 0, out.data_ptr(), 0, 16, 64, 1, o.stride(0),
-            o.stride(1), stats.stride(0), stats.stride(1), out.stride(0), 0.1, math.log(2), 512,
-            0, 0, 0, *config, facts.sm_count, False)
-    variants = {
-        "merge_maxsum(kv_split=None)": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out),
-        "merge_maxsum(kv_split=4)": lambda: kvsplit.merge_maxsum(o, stats, 0.1, out=out,
-                                                                  kv_split=4),
-        "dispatcher.choose only": lambda: dispatcher.choose(facts, o.device, 512, o.dtype,
-                                                            out.dtype, 0, 16, 64, None),
-        "raw binding": lambda: ext.merge_cuda(*args, torch._C._cuda_getCurrentRawStream(0)),
-        # The floor of any launch from Python on this host: an empty kernel.
-        "empty kernel binding": lambda: ext.launch_noop(1, torch._C._cuda_getCurrentRawStream(0)),
-    }
-    result = {}
-    for _ in range(2):  # two rounds in turn: the first call of a variant must not pay the warm-up
-        for name, fn in variants.items():
-            for _ in range(200):
-                fn()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(5):
-                begin = time.perf_counter()
-                for _ in range(calls // 5):
-                    fn()
-                samples.append((time.perf_counter() - begin) * 1e6 / (calls // 5))
-                torch.cuda.synchronize()
-            result[name] = min(result.get(name, math.inf), sorted(samples)[2])
-    for name, us in result.items():
-        print(f"  {name:32s} {us:6.2f} us per call", flush=True)
-    return result
 
 
 def main() -> int:
@@ -134,12 +94,10 @@ def main() -> int:
               f"{tuned[len(tuned) // 2] if tuned else float('nan'):.1f} ms, "
               f"max {max(tuned) if tuned else float('nan'):.1f} ms, "
               f"{sum(t <= 50 for t in tuned)} of {len(tuned)} <= 50 ms", flush=True)
-    print("host overhead per call (no sync, D=512 rows=64 N=16):", flush=True)
-    overhead = host_overhead(g)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_dispatch.json").write_text(json.dumps(
-            {"regret": summaries, "host_overhead_us": overhead}, indent=1))
+            {"regret": summaries}, indent=1))
     return 0
 
 

@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from kvsplit import _native, merge
+from kvsplit import _kernel, _native, merge
 from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph, time_cuda_stream
 from kvsplit.dispatch.constraints import DSPLIT, KVSPLIT, kvsplit_config, valid_configs
 
@@ -72,8 +72,8 @@ def torch_merge(o, stats, scale_log2, out):
 
 
 def launch_config(o, stats, out, scale, config) -> None:
-    merge._launch(merge.MAXSUM, o, stats, None, None, out, None, scale, merge._LN2, 0,
-                  fresh_out=True, config=config)
+    _kernel.launch(config, merge.MAXSUM, o, stats, out, scale, merge._LN2,
+                   pdl=os.environ.get("KVSPLIT_PDL") == "1")
 
 
 def read_probe(o, stats, out) -> None:
@@ -92,8 +92,10 @@ def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, bandwidth, noop_
     configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows, num_splits=num_splits,
                             sm_count=sm_count)
 
-    def launcher(sets, config):
-        return lambda i: launch_config(*sets[i % len(sets)], scale, config)
+    def launcher(sets, config):  # one plan: what an eager call of the layout pays per launch
+        plan = _kernel.Plan(config, merge.MAXSUM, *sets[0], None, merge._LN2,
+                            pdl=os.environ.get("KVSPLIT_PDL") == "1")
+        return lambda i: _kernel.run(plan, *sets[i % len(sets)], scale)
 
     def probe(sets):
         return lambda i: read_probe(*sets[i % len(sets)])

@@ -107,9 +107,15 @@ def dispatch_section(data: dict) -> str:
                          f"| {r['source']} | {100 * r['regret']:.1f} % "
                          f"| {r['first_call_ms']:.1f} |")
         lines.append("")
-    lines += ["Host time per call, no sync (D=512 rows=64 N=16, a cache hit):", "",
-              "| call | us |", "|---|---|"]
-    lines += [f"| {name} | {us:.2f} |" for name, us in data["host_overhead_us"].items()]
+    return "\n".join(lines)
+
+
+def host_table(data: dict) -> str:
+    lines = [f"Host time per call on {data['device']} ({data['shape']}, no sync, a cache hit, "
+             "out given):", "", "| call | us |", "|---|---|"]
+    lines += [f"| {name} | {us:.2f} |" for name, us in data["host_us"].items()]
+    lines += ["", f"Merge - raw binding: {data['over_raw_us']:.2f} us; merge / add_: "
+              f"{data['over_add']:.2f}x."]
     return "\n".join(lines)
 
 
@@ -135,7 +141,8 @@ def main() -> int:
         print(peer_table(merge), "\n")
         print(reference_table(merge), "\n")
     for name, render in (("bench_dispatch.json", dispatch_section),
-                         ("bench_chain.json", chain_table)):
+                         ("bench_chain.json", chain_table), ("bench_host_cuda.json", host_table),
+                         ("bench_host_cpu.json", host_table)):
         path = folder / name
         if path.exists():
             print(render(json.loads(path.read_text())), "\n")

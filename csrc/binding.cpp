@@ -1,10 +1,15 @@
-// pybind11 module kvsplit._ext: casts integer pointers, strides and the stream
-// handle into MergeParams and calls the launchers. No torch, no logic; CUDA
-// errors become Python exceptions here and only here.
+// pybind11 module kvsplit._ext: exports the kernel layer's vocabulary
+// (config.h), a parameter object per call layout (Launch), and the launchers.
+// No torch and no merge logic; a launcher's Status becomes a Python exception
+// here and only here.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
-#include <stdexcept>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "kvsplit/launch.h"
 
@@ -12,111 +17,263 @@ namespace py = pybind11;
 
 namespace {
 
+using kvsplit::CudaTarget;
 using kvsplit::DType;
-using kvsplit::KernelChoice;
+using kvsplit::Error;
+using kvsplit::Family;
+using kvsplit::KernelConfig;
 using kvsplit::MergeParams;
+using kvsplit::Status;
 using kvsplit::StatsFormat;
+
+// Everything one merge call needs but its addresses, the stats scale and the
+// stream: built once per call layout by kvsplit._kernel.
+struct Launch {
+  MergeParams params;
+  KernelConfig config;
+  CudaTarget target;
+};
+
+template <typename List>
+py::tuple values_of() {
+  py::tuple values(List::size);
+  for (int i = 0; i < List::size; ++i) values[i] = List::values[i];
+  return values;
+}
+
+// Error code -> (name, what the message calls the value). The names are the
+// constraint names that kvsplit.dispatch reports.
+const std::map<Error, std::pair<const char*, const char*>>& error_names() {
+  static const std::map<Error, std::pair<const char*, const char*>> names = {
+      {Error::kHeadDim, {"head_dim", "head_dim"}},
+      {Error::kDtypes, {"dtypes", "(partial_dtype, out_dtype) pair"}},
+      {Error::kStatsFormat, {"stats_format", "stats_format"}},
+      {Error::kFamily, {"family", "family"}},
+      {Error::kKvSplit, {"kv_split", "kv_split"}},
+      {Error::kGroupHoldsRow,
+       {"group_holds_row", "kv_split (a group of 512/kv_split threads must hold a whole row)"}},
+      {Error::kSlices, {"slice_width", "slices (head_dim / slices must be 4..32 vectors of 16 bytes)"}},
+      {Error::kCtaThreads, {"cta_threads", "kv_split (lanes * kv_split must be 32..512 threads)"}},
+      {Error::kDepth, {"depth", "depth"}},
+      {Error::kDevice, {"device", "device"}},
+      {Error::kCuda, {"cuda", "cuda"}},
+  };
+  return names;
+}
+
+void raise_for(const Status& status) {
+  if (status.ok()) return;
+  if (status.error == Error::kDevice) {
+    throw std::runtime_error("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)");
+  }
+#if defined(KVSPLIT_WITH_CUDA)
+  if (status.error == Error::kCuda) {
+    throw std::runtime_error("kvsplit: CUDA launch failed: " +
+                             kvsplit::cuda_error_string(status.detail));
+  }
+#endif
+  throw py::value_error(std::string("kvsplit: unsupported ") +
+                        error_names().at(status.error).second + " = " +
+                        std::to_string(status.detail));
+}
 
 template <typename T>
 T* as_pointer(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-MergeParams make_params(uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-                        uintptr_t sinks, uintptr_t out, uintptr_t out_stats, int64_t num_splits,
-                        int64_t rows, int64_t heads, int64_t o_stride_split, int64_t o_stride_row,
-                        int64_t stats_stride_split, int64_t stats_stride_row,
-                        int64_t out_stride_row, float log2_scale, float export_scale) {
-  return MergeParams{as_pointer<const void>(partial_o), as_pointer<const float>(stats),
-                     as_pointer<const int32_t>(split_counts), as_pointer<const float>(sinks),
-                     as_pointer<void>(out), as_pointer<float>(out_stats), num_splits, rows, heads,
-                     o_stride_split, o_stride_row, stats_stride_split, stats_stride_row,
-                     out_stride_row, log2_scale, export_scale};
+MergeParams with_addresses(const MergeParams& base, uintptr_t partial_o, uintptr_t stats,
+                           uintptr_t split_counts, uintptr_t sinks, uintptr_t out,
+                           uintptr_t out_stats, float log2_scale) {
+  MergeParams p = base;
+  p.partial_o = as_pointer<const void>(partial_o);
+  p.stats = as_pointer<const float>(stats);
+  p.split_counts = as_pointer<const int32_t>(split_counts);
+  p.sinks = as_pointer<const float>(sinks);
+  p.out = as_pointer<void>(out);
+  p.out_stats = as_pointer<float>(out_stats);
+  p.log2_scale = log2_scale;
+  return p;
 }
 
-#if defined(KVSPLIT_WITH_CUDA)
-void check_cuda(int status) {
-  if (status != 0) {
-    throw std::runtime_error("kvsplit: CUDA launch failed: " + kvsplit::cuda_error_string(status));
-  }
-}
-#endif
+// CPU merges of at least this many partial elements release the GIL; smaller
+// ones finish before a release and re-acquire would.
+constexpr int64_t kReleaseGilElements = int64_t{1} << 16;
 
-KernelChoice make_choice(int head_dim, int partial_dtype, int out_dtype, int stats_format,
-                         int family, int slices, int kv_split, int depth) {
-  return KernelChoice{head_dim,
-                      static_cast<DType>(partial_dtype),
-                      static_cast<DType>(out_dtype),
-                      static_cast<StatsFormat>(stats_format),
-                      static_cast<kvsplit::Family>(family),
-                      slices,
-                      kv_split,
-                      depth};
+template <typename Enum>
+void def_enum_field(py::class_<MergeParams>& cls, const char* name, Enum MergeParams::*field) {
+  cls.def_property(
+      name, [field](const MergeParams& p) { return static_cast<int>(p.*field); },
+      [field](MergeParams& p, int value) { p.*field = static_cast<Enum>(value); });
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_ext, m) {
-  m.doc() = "kvsplit kernels: pointer-level entry points (use kvsplit.merge_* instead)";
-  m.attr("build_hash") = KVSPLIT_BUILD_HASH;
+  m.doc() = "kvsplit kernels: the kernel layer's vocabulary and pointer-level launchers "
+            "(use kvsplit.merge_* instead)";
+  m.attr("cpu_build_hash") = KVSPLIT_CPU_BUILD_HASH;
   m.attr("version") = KVSPLIT_VERSION;
 #if defined(KVSPLIT_WITH_CUDA)
+  m.attr("cuda_build_hash") = KVSPLIT_CUDA_BUILD_HASH;
   m.attr("cuda_architectures") = KVSPLIT_CUDA_ARCHITECTURES;
 #else
+  m.attr("cuda_build_hash") = "";
   m.attr("cuda_architectures") = "";
 #endif
 
+  // -- vocabulary (config.h) ------------------------------------------------------------
+  m.attr("HEAD_DIMS") = values_of<kvsplit::HeadDims>();
+  m.attr("DTYPES") = py::dict(py::arg("bfloat16") = static_cast<int>(DType::kBFloat16),
+                              py::arg("float16") = static_cast<int>(DType::kFloat16),
+                              py::arg("float32") = static_cast<int>(DType::kFloat32));
+  m.attr("DTYPE_BYTES") = py::dict(py::arg("bfloat16") = kvsplit::elem_bytes(DType::kBFloat16),
+                                   py::arg("float16") = kvsplit::elem_bytes(DType::kFloat16),
+                                   py::arg("float32") = kvsplit::elem_bytes(DType::kFloat32));
+  m.attr("STATS_FORMATS") = py::dict(py::arg("maxsum") = static_cast<int>(StatsFormat::kMaxSum),
+                                     py::arg("lse") = static_cast<int>(StatsFormat::kLse));
+  m.attr("FAMILIES") = py::dict(py::arg("kvsplit") = static_cast<int>(Family::kKvSplit),
+                                py::arg("dsplit") = static_cast<int>(Family::kDSplit));
+  // Each family's parameters and their legal values; a KvSplit config has
+  // slices 1 and depth kKvSplitLoadDepth (the defaults of KernelConfig).
+  m.attr("FAMILY_PARAMS") = py::dict(
+      py::arg("kvsplit") = py::dict(py::arg("kv_split") = values_of<kvsplit::KvSplitKvSplits>()),
+      py::arg("dsplit") = py::dict(py::arg("depth") = values_of<kvsplit::DsplitDepths>(),
+                                   py::arg("kv_split") = values_of<kvsplit::DsplitKvSplits>(),
+                                   py::arg("slices") = values_of<kvsplit::DsplitSlices>()));
+  m.attr("CONFIG_DEFAULTS") = py::dict(py::arg("slices") = KernelConfig{}.slices,
+                                       py::arg("kv_split") = KernelConfig{}.kv_split,
+                                       py::arg("depth") = KernelConfig{}.depth);
+  py::list pairs;
+  for (int in = 0; in < 3; ++in) {
+    for (int out = 0; out < 3; ++out) {
+      if (kvsplit::dtype_pair_compiled(static_cast<DType>(in), static_cast<DType>(out))) {
+        pairs.append(py::make_tuple(in, out));
+      }
+    }
+  }
+  m.attr("DTYPE_PAIRS") = pairs;
+  m.attr("LIMITS") = py::dict(
+      py::arg("bytes_per_thread") = kvsplit::kBytesPerThread,
+      py::arg("kvsplit_threads_per_cta") = kvsplit::kKvSplitThreadsPerCta,
+      py::arg("kvsplit_ctas_per_sm") = kvsplit::kKvSplitCtasPerSm,
+      py::arg("kvsplit_load_depth") = kvsplit::kKvSplitLoadDepth,
+      py::arg("dsplit_min_lanes") = kvsplit::kDsplitMinLanes,
+      py::arg("dsplit_max_lanes") = kvsplit::kDsplitMaxLanes,
+      py::arg("dsplit_min_threads") = kvsplit::kDsplitMinThreads,
+      py::arg("dsplit_max_threads") = kvsplit::kDsplitMaxThreads);
+  py::dict errors;
+  for (const auto& [error, names] : error_names()) errors[py::int_(static_cast<int>(error))] = names.first;
+  m.attr("ERRORS") = errors;
+
+  m.def(
+      "check_config",
+      [](int family, int slices, int kv_split, int depth, int head_dim, int elem_bytes) {
+        const Status status = kvsplit::check_config(
+            KernelConfig{static_cast<Family>(family), slices, kv_split, depth}, head_dim,
+            elem_bytes);
+        return static_cast<int>(status.error);
+      },
+      "0 if the kernel layer can run the config on rows of head_dim partials of elem_bytes "
+      "bytes, else the error code (a key of ERRORS)",
+      py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"),
+      py::arg("head_dim"), py::arg("elem_bytes"));
+  m.def("kvsplit_rows_per_band", &kvsplit::kvsplit_rows_per_band,
+        "Rows one KvSplit CTA covers per band (0: a group cannot hold a row)", py::arg("head_dim"),
+        py::arg("elem_bytes"), py::arg("kv_split"));
+  m.def("dsplit_lanes", &kvsplit::dsplit_lanes,
+        "Threads per DSplit group, or 0 when head_dim / slices is not a legal slice",
+        py::arg("head_dim"), py::arg("elem_bytes"), py::arg("slices"));
+
+  // -- the parameter object -------------------------------------------------------------
+  py::class_<MergeParams> params(m, "MergeParams");
+  params.def(py::init<>())
+      .def_readwrite("head_dim", &MergeParams::head_dim)
+      .def_readwrite("num_splits", &MergeParams::num_splits)
+      .def_readwrite("rows", &MergeParams::rows)
+      .def_readwrite("heads", &MergeParams::heads)
+      .def_readwrite("o_stride_split", &MergeParams::o_stride_split)
+      .def_readwrite("o_stride_row", &MergeParams::o_stride_row)
+      .def_readwrite("stats_stride_split", &MergeParams::stats_stride_split)
+      .def_readwrite("stats_stride_row", &MergeParams::stats_stride_row)
+      .def_readwrite("out_stride_row", &MergeParams::out_stride_row)
+      .def_readwrite("export_scale", &MergeParams::export_scale);
+  def_enum_field(params, "partial_dtype", &MergeParams::partial_dtype);
+  def_enum_field(params, "out_dtype", &MergeParams::out_dtype);
+  def_enum_field(params, "stats_format", &MergeParams::stats_format);
+
+  py::class_<KernelConfig>(m, "KernelConfig")
+      .def(py::init([](int family, int slices, int kv_split, int depth) {
+             return KernelConfig{static_cast<Family>(family), slices, kv_split, depth};
+           }),
+           py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"))
+      .def_property_readonly("family", [](const KernelConfig& c) { return static_cast<int>(c.family); })
+      .def_readonly("slices", &KernelConfig::slices)
+      .def_readonly("kv_split", &KernelConfig::kv_split)
+      .def_readonly("depth", &KernelConfig::depth);
+
+  py::class_<CudaTarget>(m, "CudaTarget")
+      .def(py::init<>())
+      .def_readwrite("device", &CudaTarget::device)
+      .def_readwrite("sm_count", &CudaTarget::sm_count)
+      .def_readwrite("pdl", &CudaTarget::pdl);
+
+  py::class_<Launch>(m, "Launch")
+      .def(py::init([](const MergeParams& p, const KernelConfig& c, const CudaTarget& t) {
+             return Launch{p, c, t};
+           }),
+           py::arg("params"), py::arg("config"), py::arg("target") = CudaTarget{})
+      .def_readonly("params", &Launch::params)
+      .def_readonly("config", &Launch::config)
+      .def_readonly("target", &Launch::target);
+
+  // -- launchers ------------------------------------------------------------------------
   m.def(
       "merge_cpu",
-      [](uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts, uintptr_t sinks,
-         uintptr_t out, uintptr_t out_stats, int64_t num_splits, int64_t rows, int64_t heads,
-         int64_t o_stride_split, int64_t o_stride_row, int64_t stats_stride_split,
-         int64_t stats_stride_row, int64_t out_stride_row, float log2_scale, float export_scale,
-         int head_dim, int partial_dtype, int out_dtype, int stats_format, int family, int slices,
-         int kv_split, int depth) {
-        kvsplit::merge_cpu(
-            make_params(partial_o, stats, split_counts, sinks, out, out_stats, num_splits, rows,
-                        heads, o_stride_split, o_stride_row, stats_stride_split,
-                        stats_stride_row, out_stride_row, log2_scale, export_scale),
-            make_choice(head_dim, partial_dtype, out_dtype, stats_format, family, slices, kv_split,
-                        depth));
+      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
+         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, float log2_scale) {
+        const MergeParams p = with_addresses(launch.params, partial_o, stats, split_counts, sinks,
+                                             out, out_stats, log2_scale);
+        Status status;
+        if (p.rows * p.num_splits * p.head_dim >= kReleaseGilElements) {
+          py::gil_scoped_release release;
+          status = kvsplit::merge_cpu(p, launch.config);
+        } else {
+          status = kvsplit::merge_cpu(p, launch.config);
+        }
+        raise_for(status);
       },
-      py::call_guard<py::gil_scoped_release>());
+      "Merges on the CPU (pointers are host addresses)");
+  m.def(
+      "merge_cuda",
+      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
+         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, float log2_scale, uintptr_t stream) {
+        CudaTarget target = launch.target;
+        target.stream = as_pointer<void>(stream);
+        raise_for(kvsplit::merge_cuda(with_addresses(launch.params, partial_o, stats, split_counts,
+                                                     sinks, out, out_stats, log2_scale),
+                                      launch.config, target));
+      },
+      "Enqueues the merge on `stream` (a cudaStream_t of launch.target.device)");
 
 #if defined(KVSPLIT_WITH_CUDA)
-  m.def("merge_cuda",
-        [](uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts, uintptr_t sinks,
-           uintptr_t out, uintptr_t out_stats, int64_t num_splits, int64_t rows, int64_t heads,
-           int64_t o_stride_split, int64_t o_stride_row, int64_t stats_stride_split,
-           int64_t stats_stride_row, int64_t out_stride_row, float log2_scale,
-           float export_scale, int head_dim, int partial_dtype, int out_dtype, int stats_format,
-           int family, int slices, int kv_split, int depth, int sm_count, bool pdl,
-           uintptr_t stream) {
-          check_cuda(kvsplit::merge_cuda(
-              make_params(partial_o, stats, split_counts, sinks, out, out_stats, num_splits, rows,
-                          heads, o_stride_split, o_stride_row, stats_stride_split,
-                          stats_stride_row, out_stride_row, log2_scale, export_scale),
-              make_choice(head_dim, partial_dtype, out_dtype, stats_format, family, slices, kv_split,
-                        depth), sm_count,
-              pdl, as_pointer<void>(stream)));
-        });
   m.def("launch_noop", [](int grid, uintptr_t stream) {
-    check_cuda(kvsplit::launch_noop(grid, as_pointer<void>(stream)));
+    raise_for(kvsplit::launch_noop(grid, as_pointer<void>(stream)));
   });
   m.def("launch_read_probe",
         [](uintptr_t partial_o, int64_t o_bytes, uintptr_t stats, int64_t stats_bytes,
            uintptr_t out, int64_t out_bytes, uintptr_t stream) {
-          check_cuda(kvsplit::launch_read_probe(as_pointer<const void>(partial_o), o_bytes,
-                                                as_pointer<const void>(stats), stats_bytes,
-                                                as_pointer<void>(out), out_bytes,
-                                                as_pointer<void>(stream)));
+          raise_for(kvsplit::launch_read_probe(as_pointer<const void>(partial_o), o_bytes,
+                                               as_pointer<const void>(stats), stats_bytes,
+                                               as_pointer<void>(out), out_bytes,
+                                               as_pointer<void>(stream)));
         });
   m.def("launch_producer",
         [](uintptr_t partial_o, int64_t o_elems, uintptr_t stats, int64_t num_stats, int seed,
            bool pdl, uintptr_t stream) {
-          check_cuda(kvsplit::launch_producer(as_pointer<void>(partial_o), o_elems,
-                                              as_pointer<float>(stats), num_stats, seed, pdl,
-                                              as_pointer<void>(stream)));
+          raise_for(kvsplit::launch_producer(as_pointer<void>(partial_o), o_elems,
+                                             as_pointer<float>(stats), num_stats, seed, pdl,
+                                             as_pointer<void>(stream)));
         });
 #endif
 }

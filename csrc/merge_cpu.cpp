@@ -19,8 +19,7 @@
 namespace kvsplit {
 namespace {
 
-constexpr int kLoadUnroll = 4;
-constexpr int kMaxKvSplit = 16;
+constexpr int kLoadUnroll = kKvSplitLoadDepth;
 
 template <DType kDType>
 float load_elem(const void* base, int64_t offset) {
@@ -64,39 +63,31 @@ void merge_batch_at(MergeState<kHeadDim>& state, const MergeParams& p, StatsForm
 // padded batches of 4, or the DSplit kernel's exact trip count (the remainder
 // of count / depth first, then rounds of depth).
 template <int kHeadDim, DType kPartial>
-void merge_group(MergeState<kHeadDim>& state, const MergeParams& p, const KernelChoice& choice,
+void merge_group(MergeState<kHeadDim>& state, const MergeParams& p, const KernelConfig& config,
                  int64_t row, int group, int num_splits) {
-  const int k = choice.kv_split;
+  const int k = config.kv_split;
   const int count = (num_splits - group + k - 1) / k;
   const int last = group + (count - 1) * k;
-  const StatsFormat format = choice.stats_format;
-  if (choice.family == Family::kKvSplit) {
+  const StatsFormat format = p.stats_format;
+  if (config.family == Family::kKvSplit) {
     for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
       merge_batch_at<kLoadUnroll, kHeadDim, kPartial>(state, p, format, row, group + j0 * k, k,
                                                       count - j0, last);
     }
     return;
   }
-  const int depth = choice.depth;
+  const int depth = config.depth;
   const int first = count - (count - 1) / depth * depth;
-  switch (first) {
-#define KVSPLIT_FIRST_ROUND(N)                                                                  \
-  case N:                                                                                       \
-    merge_batch_at<N, kHeadDim, kPartial>(state, p, format, row, group, k, N, last);            \
-    break;
-    KVSPLIT_FIRST_ROUND(1) KVSPLIT_FIRST_ROUND(2) KVSPLIT_FIRST_ROUND(3) KVSPLIT_FIRST_ROUND(4)
-    KVSPLIT_FIRST_ROUND(5) KVSPLIT_FIRST_ROUND(6) KVSPLIT_FIRST_ROUND(7) KVSPLIT_FIRST_ROUND(8)
-#undef KVSPLIT_FIRST_ROUND
-    default: break;
-  }
-  for (int done = first; done < count; done += depth) {
-    const int at = group + done * k;
-    if (depth == 8) {
-      merge_batch_at<8, kHeadDim, kPartial>(state, p, format, row, at, k, 8, last);
-    } else {
-      merge_batch_at<4, kHeadDim, kPartial>(state, p, format, row, at, k, 4, last);
+  KVSPLIT_DISPATCH_FIRST_ROUND(first, 8, kFirst, {
+    merge_batch_at<kFirst, kHeadDim, kPartial>(state, p, format, row, group, k, kFirst, last);
+  })
+  Status status;  // config checked by merge_cpu: the depth is a legal one
+  KVSPLIT_DISPATCH_DSPLIT_DEPTH(depth, kDepth, status, {
+    for (int done = first; done < count; done += kDepth) {
+      merge_batch_at<kDepth, kHeadDim, kPartial>(state, p, format, row, group + done * k, k,
+                                                 kDepth, last);
     }
-  }
+  })
 }
 
 // Butterfly (xor) over `width` consecutive states starting at `base`, as warp
@@ -119,10 +110,10 @@ void butterfly(std::vector<MergeState<kHeadDim>>& states, int base, int width) {
 // q + G, ... (G groups per warp) into an empty state, and a butterfly joins
 // the positions.
 template <int kHeadDim>
-void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelChoice& choice,
+void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelConfig& config,
                     int lanes) {
-  const int k = choice.kv_split;
-  if (choice.family == Family::kKvSplit) {
+  const int k = config.kv_split;
+  if (config.family == Family::kKvSplit) {
     for (int g = 1; g < k; ++g) groups[0].combine(groups[g].m, groups[g].l, groups[g].acc, 1);
     return;
   }
@@ -143,22 +134,22 @@ void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelChoic
 }
 
 template <int kHeadDim, DType kPartial, DType kOut>
-void merge_rows(const MergeParams& p, const KernelChoice& choice, int lanes, int64_t row_begin,
+void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int64_t row_begin,
                 int64_t row_end) {
   using State = MergeState<kHeadDim>;
-  const StatsFormat format = choice.stats_format;
-  std::vector<State> groups(choice.kv_split);
+  const StatsFormat format = p.stats_format;
+  std::vector<State> groups(config.kv_split);
 
   for (int64_t row = row_begin; row < row_end; ++row) {
     int num_splits = static_cast<int>(p.num_splits);
     if (p.split_counts != nullptr) num_splits = std::clamp(p.split_counts[row], 0, num_splits);
-    for (int group = 0; group < choice.kv_split; ++group) {
+    for (int group = 0; group < config.kv_split; ++group) {
       groups[group].reset();
       if (group < num_splits) {
-        merge_group<kHeadDim, kPartial>(groups[group], p, choice, row, group, num_splits);
+        merge_group<kHeadDim, kPartial>(groups[group], p, config, row, group, num_splits);
       }
     }
-    combine_groups(groups, choice, lanes);
+    combine_groups(groups, config, lanes);
     State& state = groups[0];
     const float sink_log2 = p.sinks != nullptr ? p.sinks[row % p.heads] * kLog2E : neg_inf();
     float out[kHeadDim], log2_total;
@@ -177,25 +168,22 @@ void merge_rows(const MergeParams& p, const KernelChoice& choice, int lanes, int
 
 }  // namespace
 
-void merge_cpu(const MergeParams& params, const KernelChoice& choice) {
-  int lanes = 0;
-  if (choice.family == Family::kDSplit) {
-    const int elem_bytes = choice.partial_dtype == DType::kFloat32 ? 4 : 2;
-    lanes = dsplit_lanes(choice.head_dim, elem_bytes, choice.slices, choice.kv_split,
-                         choice.depth);
-  } else if (choice.family != Family::kKvSplit) {
-    throw_unsupported("family", static_cast<int>(choice.family));
-  } else if (choice.kv_split < 1 || choice.kv_split > kMaxKvSplit) {
-    throw_unsupported("kv_split", choice.kv_split);
-  }
+Status merge_cpu(const MergeParams& params, const KernelConfig& config) {
+  Status status = check_problem(params);
+  if (status.ok()) status = check_config(config, params.head_dim, elem_bytes(params.partial_dtype));
+  if (!status.ok() || params.rows == 0) return status;
+  const int lanes = config.family == Family::kDSplit
+                        ? dsplit_lanes(params.head_dim, elem_bytes(params.partial_dtype),
+                                       config.slices)
+                        : 0;
   // Rows are independent; large calls are spread over the host's cores.
-  const int64_t work = params.rows * std::max<int64_t>(params.num_splits, 1) * choice.head_dim;
+  const int64_t work = params.rows * std::max<int64_t>(params.num_splits, 1) * params.head_dim;
   const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
   const int64_t workers = std::clamp<int64_t>(work >> 22, 1, std::min(hardware, params.rows));
-  KVSPLIT_DISPATCH_HEAD_DIM(choice.head_dim, kHeadDim, {
-    KVSPLIT_DISPATCH_DTYPES(choice.partial_dtype, choice.out_dtype, kPartial, kOut, {
+  KVSPLIT_DISPATCH_HEAD_DIM(params.head_dim, kHeadDim, status, {
+    KVSPLIT_DISPATCH_DTYPES(params.partial_dtype, params.out_dtype, kPartial, kOut, status, {
       auto run = [&](int64_t begin, int64_t end) {
-        merge_rows<kHeadDim, kPartial, kOut>(params, choice, lanes, begin, end);
+        merge_rows<kHeadDim, kPartial, kOut>(params, config, lanes, begin, end);
       };
       if (workers <= 1) {
         run(0, params.rows);
@@ -209,6 +197,13 @@ void merge_cpu(const MergeParams& params, const KernelChoice& choice) {
       }
     })
   })
+  return status;
 }
+
+#if !defined(KVSPLIT_WITH_CUDA)
+Status merge_cuda(const MergeParams&, const KernelConfig&, const CudaTarget&) {
+  return fail(Error::kDevice, 0);
+}
+#endif
 
 }  // namespace kvsplit

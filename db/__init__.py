@@ -11,7 +11,8 @@ Typical use::
     choices = store.load_choices(device, build_hash)
 """
 
-from .configs import FAMILIES, check_config
+from ..config import FAMILIES, KernelConfig
+from ..config import check_params as check_config
 from .connect import open_store, open_store_for_library, open_store_for_repair
 from .decode import Damage
 from .engine import DEFAULT_TIMEOUT_S, ENV_VAR, default_url, resolve_url
@@ -27,7 +28,6 @@ from .schemas import (
     ExportFile,
     ImportSummary,
     KernelBuildInfo,
-    KernelConfig,
     PruneResult,
     RepairResult,
     StoreStats,

@@ -89,10 +89,10 @@ def _filters(function: Any) -> Any:
     return db_option(function)
 
 
-def _installed_build() -> str:
-    from ..installed import build_hash
+def _installed_builds() -> tuple[str, ...]:
+    from ..installed import build_hashes
 
-    return build_hash()
+    return build_hashes()
 
 
 def _json_flag(function: Any) -> Any:
@@ -162,14 +162,14 @@ def show(ctx: click.Context, as_json: bool, **filters: Any) -> None:
 def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
     """Keys per device, mean speed-up over kv_split=1, oldest/newest, stale builds.
 
-    The builds table also marks the installed build, the one that
+    The builds table also marks the installed builds (CUDA and CPU), the ones that
     `kvsplit db prune --stale-builds` keeps by default.
     """
     result = _open(ctx).stats(current_build)
     if as_json:
         click.echo(to_json(result))
     else:
-        show_stats(console(), result, installed=_installed_build())
+        show_stats(console(), result, installed=_installed_builds())
 
 
 @db.command("export")
@@ -249,7 +249,7 @@ def import_(
 @click.option(
     "--current-build",
     metavar="HASH",
-    help="With --stale-builds: builds other than this are stale [default: the installed build].",
+    help="With --stale-builds: builds other than this are stale [default: the installed builds, CUDA and CPU].",
 )
 @click.option(
     "--other-devices-than",
@@ -280,11 +280,9 @@ def prune(
         raise click.UsageError("--current-build only applies with --stale-builds")
     try:
         store = _open(ctx)
-        if stale_builds and current_build is None:
-            current_build = _installed_build()
         result = store.prune(
             stale_builds=stale_builds,
-            current_build=current_build,
+            current_build=current_build if current_build is not None else _installed_builds(),
             other_devices_than=other_devices_than,
             older_than=older_than,
             dry_run=dry_run,

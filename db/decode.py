@@ -211,6 +211,8 @@ def row_values(table: Table, raw: Mapping[str, Any], prefix: str = "") -> dict[s
 def _validated(model: Any, data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
+    except TypeError as error:  # a plain validator (the kernel config's) that met a stranger value
+        raise Unparsable(f"{model.__name__}: {error}") from None
     except ValidationError as error:
         first = error.errors(include_url=False)[0]
         where = ".".join(str(part) for part in first["loc"]) or model.__name__

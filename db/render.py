@@ -116,7 +116,7 @@ def show_record(out: Console, record: TuningRecord) -> None:
     out.print(table)
 
 
-def show_stats(out: Console, stats: StoreStats, installed: str | None = None) -> None:
+def show_stats(out: Console, stats: StoreStats, installed: tuple[str, ...] = ()) -> None:
     out.print(
         f"{stats.url}: {stats.keys} tuning results, oldest {_when(stats.oldest)}, newest {_when(stats.newest)} UTC"
     )
@@ -139,7 +139,7 @@ def show_stats(out: Console, stats: StoreStats, installed: str | None = None) ->
             str(b.keys),
             _when(b.newest),
             "stale" if b.stale else "",
-            "installed" if b.build_hash == installed else "",
+            "installed" if b.build_hash in installed else "",
         )
     out.print(builds)
 

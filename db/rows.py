@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 from typing import NamedTuple
 
@@ -166,10 +167,12 @@ def write_record(
         )
 
 
-def stale_build_ids(session: Session, current_build: str | None) -> list[int]:
-    """Ids of stale builds: not ``current_build``, or when ``None``, not the most recently updated one."""
+def stale_build_ids(session: Session, current_build: str | Collection[str] | None) -> list[int]:
+    """Ids of stale builds: not ``current_build`` (one hash or several), or when ``None``, not the
+    most recently updated one."""
     if current_build is not None:
-        return list(session.scalars(select(KernelBuild.id).where(KernelBuild.build_hash != current_build)))
+        current = [current_build] if isinstance(current_build, str) else list(current_build)
+        return list(session.scalars(select(KernelBuild.id).where(KernelBuild.build_hash.not_in(current))))
     newest = session.execute(
         select(TuningResult.build_id).order_by(TuningResult.updated_at.desc(), TuningResult.id.desc()).limit(1)
     ).scalar_one_or_none()
@@ -182,7 +185,7 @@ def prune_results(
     session: Session,
     *,
     stale_builds: bool,
-    current_build: str | None,
+    current_build: str | Collection[str] | None,
     other_devices_than: DeviceInfo | str | None,
     cutoff: datetime | None,
     dry_run: bool,

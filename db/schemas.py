@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
-from .configs import BASELINE_FAMILY, BASELINE_PARAMS, check_config
+from ..config import BASELINE, KernelConfig
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 StatsFormat = Literal["maxsum", "lse"]
@@ -60,42 +60,6 @@ class KernelBuildInfo(_Model, frozen=True):
     build_hash: str = Field(min_length=1, max_length=128)
     library_version: str = Field(min_length=1, max_length=64)
 
-
-class KernelConfig(_Model, frozen=True):
-    """A kernel family and its integer parameters, e.g. ``kvsplit(kv_split=4)``.
-
-    Validated against :data:`kvsplit.db.configs.FAMILIES`.  Hashable, so it can
-    key a dictionary; treat ``params`` as read-only.
-    """
-
-    family: str = "kvsplit"
-    params: dict[str, StrictInt]
-
-    @model_validator(mode="after")
-    def _known(self) -> KernelConfig:
-        check_config(self.family, self.params)
-        return self
-
-    def __hash__(self) -> int:
-        return hash((self.family, tuple(sorted(self.params.items()))))
-
-    @classmethod
-    def kvsplit(cls, kv_split: int) -> KernelConfig:
-        """The KvSplit family config with ``kv_split`` thread groups per row."""
-        return cls(family="kvsplit", params={"kv_split": kv_split})
-
-    @property
-    def kv_split(self) -> int | None:
-        """K for the KvSplit family, ``None`` for any other family."""
-        return self.params.get("kv_split") if self.family == "kvsplit" else None
-
-    @property
-    def label(self) -> str:
-        inner = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        return f"{self.family}({inner})"
-
-
-BASELINE = KernelConfig(family=BASELINE_FAMILY, params=BASELINE_PARAMS)
 
 ChoiceKey = tuple[int, str, str, str, int, int]
 

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -358,7 +358,7 @@ class Store:
         self,
         *,
         stale_builds: bool = False,
-        current_build: str | None = None,
+        current_build: str | Collection[str] | None = None,
         other_devices_than: DeviceInfo | str | None = None,
         older_than: timedelta | None = None,
         dry_run: bool = False,
@@ -368,7 +368,8 @@ class Store:
         Parameters
         ----------
         stale_builds : bool
-            Results of stale builds (see :meth:`stats` for ``current_build``).
+            Results of stale builds (see :meth:`stats` for ``current_build``, which
+            may here also be several hashes, all kept).
         other_devices_than : DeviceInfo or str, optional
             Results of every device but this one (a string matches part of the
             name, and must match at least one device).

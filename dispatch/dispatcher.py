@@ -15,9 +15,10 @@ shape, decides in this order:
    heuristic serves, nothing is cached and the key is recorded as pending);
    ``cached``: the heuristic.
 
-A choice is a :class:`Config` of either kernel family. Whatever the source,
-:func:`constrain_config` has the last word, so a tampered table can only
-cost speed.
+A choice is a :class:`~kvsplit.config.KernelConfig` of either family. Whatever
+the source, :func:`constrain_config` has the last word, so a tampered table
+can only cost speed. ``kvsplit.merge`` keeps its per-layout launch plans in
+:attr:`Dispatcher.plans`, so that :meth:`Dispatcher.forget` drops them too.
 """
 
 from __future__ import annotations
@@ -27,17 +28,22 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 
-from .constraints import (DSPLIT, DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
-                          Config, config_from, constrain_config, kvsplit_config)
+from ..autotune import tuner
+from ..config import KernelConfig, build_hash
+from ..db import open_store_for_library, read_export
+from . import pending as pending_keys
+from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
+                          configs_for_key, constrain_config, kvsplit_config)
 from .device import DeviceFacts
 from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
 from . import InvalidSetting
-from . import pending as pending_keys
 
-__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher", "pdl_enabled"]
+__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher", "pdl_enabled",
+           "read_environment"]
 
 log = logging.getLogger("kvsplit.dispatch")
 _LIBRARY_DB_TIMEOUT_S = 5.0
@@ -45,16 +51,16 @@ MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
     "dsplit:SLICES:KV_SPLIT[:DEPTH]",)
 
 
-def _fixed_config(mode: str) -> Config | None:
+def _fixed_config(mode: str) -> KernelConfig | None:
     """The config a fixed ``KVSPLIT_MODE`` names (``8``, ``dsplit:4:16:8``), else None."""
     if mode.isdigit() and int(mode) in KV_SPLITS:
         return kvsplit_config(int(mode))
     family, *numbers = mode.split(":")
     if family == "dsplit" and len(numbers) in (2, 3) and all(n.isdigit() for n in numbers):
-        config = Config(DSPLIT, *map(int, numbers))
-        if (config.slices in DSPLIT_SLICES and config.kv_split in DSPLIT_KV_SPLITS
-                and config.depth in DSPLIT_DEPTHS):
-            return config
+        try:
+            return KernelConfig.dsplit(*map(int, numbers))
+        except ValueError:
+            return None
     return None
 
 
@@ -70,7 +76,7 @@ def _env_int(name: str, raw: str | None) -> int | None:
     return value
 
 
-def read_settings(mode: str | None, max_split: str | None) -> tuple[str, Config | None, int | None]:
+def read_settings(mode: str | None, max_split: str | None) -> tuple[str, KernelConfig | None, int | None]:
     """``(mode, its fixed config or None, cap on K)`` from raw ``KVSPLIT_MODE`` and ``KVSPLIT_MAX_SPLIT``.
 
     Raises :class:`~kvsplit.dispatch.InvalidSetting` (a ``ValueError``) naming
@@ -86,7 +92,7 @@ def read_settings(mode: str | None, max_split: str | None) -> tuple[str, Config 
 
 
 def _environment_reader():
-    """A fast reader of the three variables that key the per-call cache.
+    """A fast reader of the four variables that key the per-call cache.
 
     ``os.environ.get`` raises and catches a KeyError for every unset variable
     (about a microsecond each); CPython's POSIX ``os.environ`` keeps a bytes
@@ -96,12 +102,14 @@ def _environment_reader():
     data = getattr(os.environ, "_data", None)
     if os.name == "posix" and isinstance(data, dict):
         get = data.get
-        return lambda: (get(b"KVSPLIT_MODE"), get(b"KVSPLIT_MAX_SPLIT"), get(b"KVSPLIT_DB"))
+        return lambda: (get(b"KVSPLIT_MODE"), get(b"KVSPLIT_MAX_SPLIT"), get(b"KVSPLIT_DB"),
+                        get(b"KVSPLIT_PDL"))
     get = os.environ.get
-    return lambda: (get("KVSPLIT_MODE"), get("KVSPLIT_MAX_SPLIT"), get("KVSPLIT_DB"))
+    return lambda: (get("KVSPLIT_MODE"), get("KVSPLIT_MAX_SPLIT"), get("KVSPLIT_DB"),
+                    get("KVSPLIT_PDL"))
 
 
-_read_environment = _environment_reader()
+read_environment = _read_environment = _environment_reader()
 
 
 def _text(raw) -> str | None:
@@ -123,7 +131,7 @@ def heuristic(num_splits: int) -> int:
 class Decision:
     """What the slow path chose for one shape, and why."""
 
-    config: Config
+    config: KernelConfig
     source: str          # forced, mode, database, shipped, tuned, heuristic, capture
     key: object = None   # the TuningKey, when one was looked up
     record: object = None  # the TuningRecord, when tuned in this process
@@ -144,17 +152,28 @@ class Dispatcher:
         self._tables: dict[tuple, dict] = {}
         self._store = None
         self._store_url: str | None = None
+        #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
+        self.plans: dict[tuple, object] = {}
 
     # -- hot path ---------------------------------------------------------------------------
     def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
                partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
-               num_splits: int, rows: int, forced: int | None) -> Config:
+               num_splits: int, rows: int, forced: int | None) -> KernelConfig:
+        return self.choose_for_plan(facts, device, head_dim, partial_dtype, out_dtype,
+                                    stats_format, num_splits, rows, forced)[0]
+
+    def choose_for_plan(self, facts: DeviceFacts, device: torch.device, head_dim: int,
+                        partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
+                        num_splits: int, rows: int,
+                        forced: int | None) -> tuple[KernelConfig, bool]:
+        """The config and whether it is cached (a plan that holds it may be kept)."""
         fast_key = (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows,
                     forced, _read_environment())
         config = self._fast.get(fast_key)
-        if config is None:
-            config = self._slow(fast_key, device).config
-        return config
+        if config is not None:
+            return config, True
+        decision = self._slow(fast_key, device)
+        return decision.config, decision.source != "capture"
 
     # -- slow path --------------------------------------------------------------------------
     def explain(self, facts: DeviceFacts, head_dim: int, partial_dtype: torch.dtype,
@@ -167,10 +186,10 @@ class Dispatcher:
     def _slow(self, fast_key: tuple, device: torch.device) -> Decision:
         (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows, forced,
          environment) = fast_key
-        mode, max_split_raw, db_url = (_text(raw) for raw in environment)
+        mode, max_split_raw, db_url, _ = (_text(raw) for raw in environment)
         mode, fixed, max_split = read_settings(mode, max_split_raw)
 
-        def constrained(config: Config) -> Config:
+        def constrained(config: KernelConfig) -> KernelConfig:
             return constrain_config(config, head_dim=head_dim, elem_bytes=partial_dtype.itemsize,
                                     rows=rows, num_splits=num_splits,
                                     sm_count=facts.sm_count if facts.is_cuda else None,
@@ -196,14 +215,12 @@ class Dispatcher:
 
     def _lookup(self, facts, device, head_dim, partial_dtype, out_dtype, stats_format,
                 num_splits, rows, mode, max_split, db_url, capturing, constrained) -> Decision:
-        from .. import _native
-
-        key = tuning_key(facts, _native.ext().build_hash, head_dim, dtype_name(partial_dtype),
+        key = tuning_key(facts, build_hash(facts.is_cuda), head_dim, dtype_name(partial_dtype),
                          dtype_name(out_dtype), STATS_FORMATS[stats_format], num_splits, rows)
-        stored = _runnable(self._table(facts, key.build_hash, db_url).get(key.choice_key))
+        stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
         if stored is not None:
             return Decision(constrained(stored), "database", key)
-        shipped = _runnable(_shipped_table(facts).get(key.choice_key))
+        shipped = _shipped_table(facts).get(key.choice_key)
         if shipped is not None:
             return Decision(constrained(shipped), "shipped", key)
         fallback = kvsplit_config(heuristic(num_splits))
@@ -215,23 +232,22 @@ class Dispatcher:
         return self._tune(facts, device, key, db_url, constrained, fallback)
 
     def _tune(self, facts, device, key, db_url, constrained, fallback) -> Decision:
-        from ..autotune.tuner import NoWorkingCandidate, candidates, tune
-
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # concurrent callers of one key profile it once
             table = self._table(facts, key.build_hash, db_url)
-            stored = _runnable(table.get(key.choice_key))
+            stored = table.get(key.choice_key)
             if stored is not None:
                 return Decision(constrained(stored), "database", key)
             # Tuned without the caller's cap: the record goes to a shared
             # database; the cap applies to this call through constrained().
-            log.info("kvsplit: profiling %d candidate configs for %s at first use "
+            configs = configs_for_key(key, is_cuda=facts.is_cuda)
+            log.info("kvsplit: profiling %d candidate configs%s for %s at first use "
                      "(`kvsplit tune` ahead of time, or KVSPLIT_MODE=cached, avoids this)",
-                     len(candidates(key, is_cuda=facts.is_cuda)), key.choice_key)
+                     len(configs), " (before pruning)" if facts.is_cuda else "", key.choice_key)
             try:
-                record = tune(key, device)
-            except NoWorkingCandidate as error:
+                record = tuner.tune(key, device, configs=configs)
+            except tuner.NoWorkingCandidate as error:
                 warnings.warn(f"kvsplit: {error}; calls of this shape use the heuristic config "
                               f"{fallback.label}", RuntimeWarning, stacklevel=2)
                 return Decision(constrained(fallback), "heuristic", key)
@@ -239,11 +255,9 @@ class Dispatcher:
             self._open_store(db_url).upsert(record)
             pending_keys.discard(key)
             log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
-            return Decision(constrained(_runnable(record.winner)), "tuned", key, record)
+            return Decision(constrained(record.winner), "tuned", key, record)
 
     def _open_store(self, db_url: str | None):
-        from ..db import open_store_for_library
-
         with self._lock:
             if self._store is None or self._store_url != db_url:
                 # A short busy timeout: a serving process must not stall for
@@ -265,15 +279,11 @@ class Dispatcher:
         with self._lock:
             self._fast.clear()
             self._decisions.clear()
+            self.plans.clear()
             self._tables.clear()
             if self._store is not None:
                 self._store.close()
             self._store = None
-
-
-def _runnable(winner) -> Config | None:
-    """The Config of a stored winner (a KernelConfig), None if absent or of an unknown family."""
-    return None if winner is None else config_from(winner.family, winner.params)
 
 
 _SHIPPED: dict[DeviceFacts, dict] = {}
@@ -283,10 +293,6 @@ def _shipped_table(facts: DeviceFacts) -> dict:
     """Winners shipped in kvsplit/tables/*.json for this device (any kernel build)."""
     table = _SHIPPED.get(facts)
     if table is None:
-        from importlib import resources
-
-        from ..db import read_export
-
         table = {}
         info = device_info(facts)
         folder = resources.files("kvsplit").joinpath("tables")
@@ -301,3 +307,4 @@ def _shipped_table(facts: DeviceFacts) -> dict:
 
 dispatcher = Dispatcher()
 choose = dispatcher.choose
+choose_for_plan = dispatcher.choose_for_plan

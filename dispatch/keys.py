@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..db import DeviceInfo, TuningKey
 from .device import DeviceFacts
 
 STATS_FORMATS = {0: "maxsum", 1: "lse"}
@@ -48,8 +49,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def device_info(facts: DeviceFacts):
     """The database's DeviceInfo for a device."""
-    from ..db import DeviceInfo
-
     return DeviceInfo(name=facts.name[:128], cc_major=facts.cc_major, cc_minor=facts.cc_minor,
                       sm_count=facts.sm_count)
 
@@ -57,8 +56,6 @@ def device_info(facts: DeviceFacts):
 def tuning_key(facts: DeviceFacts, build_hash: str, head_dim: int, partial_dtype: str,
                out_dtype: str, stats_format: str, num_splits: int, rows: int):
     """The database key of a call, with rows and num_splits bucketed."""
-    from ..db import TuningKey
-
     return TuningKey(device=device_info(facts), build_hash=build_hash, head_dim=head_dim,
                      partial_dtype=partial_dtype, out_dtype=out_dtype, stats_format=stats_format,
                      num_splits=bucket_num_splits(num_splits), rows=bucket(rows))

@@ -17,7 +17,3 @@ def ext() -> ModuleType:
         ) from error
     return _ext
 
-
-def has_cuda_kernels() -> bool:
-    """Whether this build contains the CUDA kernels."""
-    return hasattr(ext(), "merge_cuda")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from . import __version__, _native
+from .config import build_hash, has_cuda_kernels
 
 
 def _database(url: str | None) -> tuple[str, bool]:
@@ -31,10 +32,14 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
     from .dispatch.dispatcher import read_settings
 
     ext = _native.ext()
+    on_gpu = torch.cuda.is_available() and has_cuda_kernels()
     facts = {
         "version": __version__,
-        "build hash": ext.build_hash,
-        "cuda kernels": "yes" if _native.has_cuda_kernels() else "no (CPU implementation only)",
+        # The hash that keys this machine's tunings (the GPU's when one is used).
+        "build hash": build_hash(on_gpu),
+        "cpu build hash": ext.cpu_build_hash,
+        "cuda build hash": ext.cuda_build_hash or "-",
+        "cuda kernels": "yes" if has_cuda_kernels() else "no (CPU implementation only)",
         "compiled architectures": ext.cuda_architectures or "-",
         "torch": torch.__version__,
     }

@@ -1,21 +1,22 @@
 """Facts about the installed kernel build that commands need, each read in one place.
 
-The kernel layer owns them; commands ask here so that when a fact moves (the
-build hash may split into a GPU and a CPU hash) one function changes.
+The kernel layer owns them (:mod:`kvsplit.config`); commands ask here so that
+when a fact moves only these functions change.
 """
 
 from __future__ import annotations
 
 
-def build_hash() -> str:
-    """Hash of the installed kernel build: the build whose tuning results this install uses."""
-    from . import _native
+def build_hashes() -> tuple[str, ...]:
+    """The hashes whose tuning results this install uses: its CUDA kernels' (if built) and its CPU twin's."""
+    from .config import build_hash, has_cuda_kernels
 
-    return _native.ext().build_hash
+    hashes = [build_hash(True)] if has_cuda_kernels() else []
+    return tuple(dict.fromkeys([*hashes, build_hash(False)]))
 
 
 def head_dims() -> tuple[int, ...]:
     """The head dims the installed kernels support."""
-    from .merge import HEAD_DIMS  # imports torch: only commands that need the fact pay for it
+    from .config import HEAD_DIMS
 
     return tuple(HEAD_DIMS)

@@ -1,10 +1,16 @@
-"""The public merge functions: validate once, allocate, forward.
+"""The public merge functions: validate once per layout, allocate, launch.
+
+The first call of a layout (every tensor's dtype, shape, strides and device,
+the scalars and the ``KVSPLIT_*`` variables) validates it in full, asks the
+dispatcher for the kernel config and keeps a launch plan for it. Every
+later call of that layout reads the same metadata again to find the plan,
+so a call whose tensors changed in any way is validated again; what depends
+on addresses (alignment, aliasing) is checked on every call.
 
 Both functions are also registered as ``torch.library`` custom ops
 (``kvsplit::merge_maxsum_out`` and ``kvsplit::merge_lse_out``, which write
 into preallocated outputs), so they trace under ``torch.compile`` and capture
-into CUDA graphs. Eager calls skip the op dispatcher and call the same
-implementation directly.
+into CUDA graphs. Eager calls skip the op dispatcher.
 """
 
 from __future__ import annotations
@@ -15,20 +21,29 @@ from typing import Optional
 
 import torch
 
-from . import _native
-from .dispatch import dispatcher
-from .dispatch.constraints import Config
+from . import _kernel
+from .config import DTYPE_PAIRS, HEAD_DIMS, STATS_FORMAT_CODES, has_cuda_kernels
+from .dispatch import dispatcher as _dispatch
 from .dispatch.device import device_facts
 
-HEAD_DIMS = (64, 128, 256, 512)
-MAXSUM, LSE = 0, 1
+MAXSUM, LSE = STATS_FORMAT_CODES["maxsum"], STATS_FORMAT_CODES["lse"]
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _STATS_DTYPES = (torch.float32,)
 _COUNT_DTYPES = (torch.int32,)
+# partial dtype -> the output dtypes compiled for it (the first is the default).
+_OUT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {}
+for _partial, _out in DTYPE_PAIRS:
+    _OUT_DTYPES.setdefault(getattr(torch, _partial), ())
+    _OUT_DTYPES[getattr(torch, _partial)] += (getattr(torch, _out),)
+for _partial, _outs in _OUT_DTYPES.items():  # 16-bit partials produce their own dtype
+    _OUT_DTYPES[_partial] = tuple(sorted(_outs, key=lambda d: (d != _partial, str(d))))
+_PARTIAL_DTYPES = tuple(_OUT_DTYPES)
+_KV_SPLITS = _dispatch.KV_SPLITS
+_plans = _dispatch.dispatcher.plans
+_read_environment = _dispatch.read_environment
+_is_compiling = torch.compiler.is_compiling
 
 
 def _is_real(value: object) -> bool:
@@ -46,11 +61,7 @@ def _dtype_error(name: str, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...])
 
 def _check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...],
                   shape: tuple[int, ...], device: torch.device, unit_dim: Optional[int]) -> None:
-    """Type, dtype, shape, device and unit stride of one argument, each read once.
-
-    The tests run on every call, so they are plain comparisons; messages are
-    only built for a failure.
-    """
+    """Type, dtype, shape, device and unit stride of one argument."""
     if not isinstance(value, torch.Tensor):
         raise _type_error(name, value)
     if value.dtype not in dtypes:
@@ -64,14 +75,27 @@ def _check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...],
                          f"got strides {value.stride()}")
 
 
-def _validate_common(partial_o, stats_name, stats, stats_tail, sinks, split_counts, out,
-                     kv_split):
-    """Checks what needs no memory address; returns (num_splits, rows, head_dim, out dtype)."""
+def _check_scalar(fmt: int, scalar: object) -> None:
+    if fmt == MAXSUM:
+        if type(scalar) is not float and not _is_real(scalar):
+            raise TypeError(f"scale_log2 must be a real number, got {type(scalar).__name__}")
+        if not (math.isfinite(scalar) and 0 < scalar <= _FLOAT32_MAX):
+            raise ValueError(f"scale_log2 must be positive and finite in float32, got {scalar}")
+    else:
+        if type(scalar) is not float and not _is_real(scalar):
+            raise TypeError(f"base must be 2.0 or math.e, got {type(scalar).__name__}")
+        if scalar not in (2.0, math.e):
+            raise ValueError(f"base must be 2.0 or math.e, got {scalar}")
+
+
+def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split) -> torch.dtype:
+    """Checks what needs no memory address; returns the output dtype."""
+    _check_scalar(fmt, scalar)
     if not isinstance(partial_o, torch.Tensor):
         raise _type_error("partial_o", partial_o)
     dtype = partial_o.dtype
-    if dtype not in _DTYPE_CODES:
-        raise _dtype_error("partial_o", dtype, tuple(_DTYPE_CODES))
+    if dtype not in _OUT_DTYPES:
+        raise _dtype_error("partial_o", dtype, _PARTIAL_DTYPES)
     shape = partial_o.shape
     if len(shape) != 3:
         raise ValueError(f"partial_o must be 3-D (num_splits, rows, head_dim), got {len(shape)}-D")
@@ -83,8 +107,11 @@ def _validate_common(partial_o, stats_name, stats, stats_tail, sinks, split_coun
     if partial_o.stride(2) != 1:
         raise ValueError(f"partial_o must have unit stride on dim 2, got strides {partial_o.stride()}")
     device = partial_o.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"partial_o must be on a CPU or CUDA device, got {device}")
 
-    _check_tensor(stats_name, stats, _STATS_DTYPES, (num_splits, rows) + stats_tail, device,
+    stats_tail = (2,) if fmt == MAXSUM else ()
+    _check_tensor(_stats_name(fmt), stats, _STATS_DTYPES, (num_splits, rows) + stats_tail, device,
                   2 if stats_tail else None)
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
@@ -100,133 +127,190 @@ def _validate_common(partial_o, stats_name, stats, stats_tail, sinks, split_coun
         _check_tensor("split_counts", split_counts, _COUNT_DTYPES, (rows,), device, 0)
 
     if out is None:
-        out_dtype = dtype if dtype in _OUT_DTYPES else torch.bfloat16
+        out_dtype = _OUT_DTYPES[dtype][0]
     else:
-        allowed = (dtype,) if dtype in _OUT_DTYPES else _OUT_DTYPES
-        _check_tensor("out", out, allowed, (rows, head_dim), device, 1)
+        _check_tensor("out", out, _OUT_DTYPES[dtype], (rows, head_dim), device, 1)
         out_dtype = out.dtype
 
     if kv_split is not None:
         if isinstance(kv_split, bool) or not isinstance(kv_split, numbers.Integral):
             raise TypeError(f"kv_split must be an int or None, got {type(kv_split).__name__}")
-        if kv_split not in dispatcher.KV_SPLITS:
-            raise ValueError(f"kv_split must be one of {dispatcher.KV_SPLITS} or None, got {kv_split}")
-    return num_splits, rows, head_dim, out_dtype
+        if kv_split not in _KV_SPLITS:
+            raise ValueError(f"kv_split must be one of {_KV_SPLITS} or None, got {kv_split}")
+    if device.type == "cuda" and not has_cuda_kernels():
+        raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
+    return out_dtype
 
 
-def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) byte addresses that ``tensor`` can touch (non-negative strides)."""
-    start = tensor.data_ptr()
-    extent = 0
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        extent += (size - 1) * stride
-    return start, start + (extent + 1) * tensor.dtype.itemsize
+def _stats_name(fmt: int) -> str:
+    return "partial_stats" if fmt == MAXSUM else "partial_lse"
 
 
-def _check_alignment(partial_o: torch.Tensor, out: torch.Tensor) -> None:
-    """Checks alignment, which needs real addresses (not fake tensors)."""
+def _extent(tensor: Optional[torch.Tensor]) -> int:
+    """Bytes from a tensor's first to past its last element (0: empty or absent)."""
+    if tensor is None or not tensor.numel():
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+            + 1) * tensor.dtype.itemsize
+
+
+class _LayoutPlan:
+    """What a layout's calls share: the launch plan and the byte extents and alignments."""
+
+    __slots__ = ("kernel", "rows", "out_shape", "out_dtype", "stats_shape", "device",
+                 "store_bytes", "extents", "log2_scale", "cacheable")
+
+    def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
+                 kv_split):
+        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
+        num_splits, rows, head_dim = partial_o.shape
+        _check_strides(partial_o, out, out_dtype)
+        device = partial_o.device
+        self.rows, self.device, self.out_dtype = rows, device, out_dtype
+        self.out_shape = (rows, head_dim)
+        self.stats_shape = (rows, 2) if fmt == MAXSUM else (rows,)
+        # Each thread stores the outputs of 16 bytes of partials in one access.
+        self.store_bytes = 16 // partial_o.dtype.itemsize * out_dtype.itemsize
+        out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
+                                                           device="meta")
+        self.extents = (_extent(partial_o), _extent(stats), _extent(split_counts), _extent(sinks),
+                        _extent(out_like), 4 * math.prod(self.stats_shape))
+        if fmt == MAXSUM:
+            self.log2_scale, export_scale = None, _LN2
+        else:
+            self.log2_scale = 1.0 if scalar == 2.0 else _LOG2E
+            export_scale = 1.0 if scalar == 2.0 else _LN2
+        self.kernel, self.cacheable = None, True
+        if rows:
+            facts = device_facts(device)
+            config, self.cacheable = _dispatch.choose_for_plan(facts, device, head_dim, partial_o.dtype, out_dtype,
+                                             fmt, num_splits, rows, kv_split or None)
+            self.kernel = _kernel.Plan(config, fmt, partial_o, stats, out_like, sinks,
+                                       export_scale, sm_count=facts.sm_count,
+                                       pdl=_dispatch.pdl_enabled())
+
+
+def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
     elem = partial_o.dtype.itemsize
     num_splits, rows, _ = partial_o.shape
-    split_stride, row_stride, _ = partial_o.stride()
-    if partial_o.data_ptr() % 16:
-        raise ValueError("partial_o must be 16-byte aligned")
-    for dim, size, stride in ((0, num_splits, split_stride), (1, rows, row_stride)):
+    for dim, size, stride in ((0, num_splits, partial_o.stride(0)), (1, rows, partial_o.stride(1))):
         if size > 1 and (stride * elem) % 16:
             raise ValueError(f"partial_o: stride {stride} of dim {dim} is not a "
                              "multiple of 16 bytes")
-    # Each thread stores the outputs of 16 bytes of partials in one access.
-    out_elem = out.dtype.itemsize
-    store_bytes = 16 // elem * out_elem
-    if out.data_ptr() % store_bytes or (rows > 1 and (out.stride(0) * out_elem) % store_bytes):
+    store_bytes = 16 // elem * out_dtype.itemsize
+    if out is not None and rows > 1 and (out.stride(0) * out_dtype.itemsize) % store_bytes:
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 
-def _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats) -> None:
-    """Raises if an output overlaps an input (or the other output).
+def _layout_key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
+    """Everything that validation and the plan depend on, except addresses and the maxsum scale."""
+    return (fmt, partial_o.dtype, partial_o.shape, partial_o.stride(), partial_o.device,
+            stats.dtype, stats.shape, stats.stride(), stats.device,
+            None if out is None else (out.dtype, out.shape, out.stride(), out.device),
+            None if sinks is None else (sinks.dtype, sinks.shape, sinks.stride(), sinks.device),
+            None if split_counts is None else (split_counts.dtype, split_counts.shape,
+                                               split_counts.stride(), split_counts.device),
+            None if fmt == MAXSUM else scalar, bool(return_stats), kv_split, type(kv_split),
+            _read_environment())
 
-    Only views of one allocation can overlap, so byte spans are compared only
-    for tensors that share a storage (the common call has none and costs one
-    storage lookup per pair).
-    """
-    stats_name = "partial_stats" if stats.dim() == 3 else "partial_lse"
-    sources = [("partial_o", partial_o), (stats_name, stats), ("sinks", sinks),
-               ("split_counts", split_counts)]
-    for out_name, target in (("out", out), ("out_stats", out_stats)):
-        if target is None:
+
+def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
+    try:
+        key = _layout_key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
+                          kv_split)
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable scalar: validation says
+        key = plan = None
+    if plan is None:
+        plan = _LayoutPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
+                           kv_split)
+        if key is not None and plan.cacheable:
+            _plans[key] = plan
+    return plan
+
+
+def _check_grad(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("kvsplit merges have no backward: call them under torch.no_grad() "
+                           "or on tensors that do not require grad (.detach())")
+
+
+# The order of the addresses of a launch (see _kernel.Plan.launch).
+_NAMES = ("partial_o", None, "split_counts", "sinks", "out", "out_stats")
+
+
+def _check_aliasing(fmt: int, plan: _LayoutPlan, addresses: list[int]) -> None:
+    """Raises if an output (out, out_stats) overlaps an input or the other output."""
+    extents = plan.extents
+    for target in (4, 5):
+        lo = addresses[target]
+        if not lo or not extents[target]:
             continue
-        storage = target.untyped_storage().data_ptr()
-        for in_name, source in sources:
-            if (source is not None and source.untyped_storage().data_ptr() == storage
-                    and _spans_overlap(target, source)):
-                raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
-        sources.append((out_name, target))
+        hi = lo + extents[target]
+        for source in range(target):
+            start = addresses[source]
+            if start and extents[source] and start < hi and lo < start + extents[source]:
+                name = _NAMES[source] or _stats_name(fmt)
+                raise ValueError(f"{_NAMES[target]} overlaps {name}: outputs must not alias inputs")
 
 
-def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.numel() or not b.numel():
-        return False
-    a_lo, a_hi = _byte_span(a)
-    b_lo, b_hi = _byte_span(b)
-    return a_lo < b_hi and b_lo < a_hi
+def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_counts, out,
+            out_stats, fresh_out: bool) -> None:
+    """The eager merge into ``out`` (and ``out_stats``) with the layout's plan."""
+    o_addr, out_addr = partial_o.data_ptr(), out.data_ptr()
+    if o_addr % 16:
+        raise ValueError("partial_o must be 16-byte aligned")
+    if out_addr % plan.store_bytes:
+        raise ValueError(f"out and each of its rows must be {plan.store_bytes}-byte aligned")
+    s_addr = stats.data_ptr()
+    c_addr = 0 if split_counts is None else split_counts.data_ptr()
+    k_addr = 0 if sinks is None else sinks.data_ptr()
+    os_addr = 0 if out_stats is None else out_stats.data_ptr()
+    if not fresh_out or os_addr:  # outputs allocated here cannot alias anything
+        extents = plan.extents
+        end = out_addr + extents[4]
+        if (c_addr or k_addr or os_addr or (extents[4] and (
+                (o_addr < end and out_addr < o_addr + extents[0])
+                or (s_addr < end and out_addr < s_addr + extents[1])))):
+            _check_aliasing(fmt, plan, [o_addr, s_addr, c_addr, k_addr, out_addr, os_addr])
+    if plan.kernel is not None:
+        plan.kernel.launch(o_addr, s_addr, c_addr, k_addr, out_addr, os_addr,
+                           plan.log2_scale or scalar)
 
 
-def _launch(stats_format: int, partial_o, stats, sinks, split_counts, out, out_stats,
-            log2_scale: float, export_scale: float, kv_split: int, fresh_out: bool = False,
-            config: Optional[Config] = None) -> None:
-    """Validates addresses, chooses the kernel config and launches.
-
-    ``kv_split`` (0: none) is the caller's request, which the dispatcher
-    constrains; a ``config`` (the tuner's candidates, already valid) runs as given.
-    """
-    _check_alignment(partial_o, out)
-    if not fresh_out:  # outputs allocated by the wrapper cannot alias anything
-        _check_aliasing(partial_o, stats, sinks, split_counts, out, out_stats)
-    num_splits, rows, head_dim = partial_o.shape
-    if rows == 0:
-        return
-    device = partial_o.device
-    facts = device_facts(device)
-    family, slices, k, depth = config if config is not None else dispatcher.choose(
-        facts, device, head_dim, partial_o.dtype, out.dtype, stats_format,
-        num_splits, rows, kv_split or None)
-    o_stride_split, o_stride_row, _ = partial_o.stride()
-    stats_strides = stats.stride()
-    args = (
-        partial_o.data_ptr(), stats.data_ptr(),
-        split_counts.data_ptr() if split_counts is not None else 0,
-        sinks.data_ptr() if sinks is not None else 0,
-        out.data_ptr(), out_stats.data_ptr() if out_stats is not None else 0,
-        num_splits, rows, sinks.numel() if sinks is not None else 1,
-        o_stride_split, o_stride_row, stats_strides[0], stats_strides[1], out.stride(0),
-        log2_scale, export_scale, head_dim, _DTYPE_CODES[partial_o.dtype],
-        _DTYPE_CODES[out.dtype], stats_format, family, slices, k, depth,
-    )
-    if facts.is_cuda:
-        if not _native.has_cuda_kernels():
-            raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
-        stream = torch._C._cuda_getCurrentRawStream(device.index)
-        _native.ext().merge_cuda(*args, facts.sm_count, dispatcher.pdl_enabled(), stream)
-    else:
-        _native.ext().merge_cpu(*args)
+def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
+    if _is_compiling():  # traced: the custom op runs the eager path with real tensors
+        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
+        rows, head_dim = partial_o.shape[1:]
+        if out is None:
+            out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
+        out_stats = (partial_o.new_empty((rows, 2) if fmt == MAXSUM else (rows,),
+                                         dtype=torch.float32) if return_stats else None)
+        op = merge_maxsum_out if fmt == MAXSUM else merge_lse_out
+        op(partial_o, stats, float(scalar), sinks, split_counts, out, out_stats, kv_split or 0)
+        return (out, out_stats) if return_stats else out
+    if fmt == MAXSUM and not (type(scalar) is float and 0 < scalar <= _FLOAT32_MAX):
+        _check_scalar(fmt, scalar)
+        scalar = float(scalar)
+    plan = _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split)
+    if partial_o.requires_grad or stats.requires_grad or (sinks is not None and sinks.requires_grad):
+        _check_grad(partial_o, stats, sinks)
+    fresh_out = out is None
+    if fresh_out:
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+    out_stats = (torch.empty(plan.stats_shape, dtype=torch.float32, device=plan.device)
+                 if return_stats else None)
+    _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, fresh_out)
+    return (out, out_stats) if return_stats else out
 
 
-def _merge_maxsum_impl(partial_o: torch.Tensor, partial_stats: torch.Tensor, scale_log2: float,
-                       sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
-                       out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int,
-                       fresh_out: bool = False) -> None:
-    """Writes the merge into ``out`` (and ``out_stats``); ``kv_split`` 0 lets the dispatcher choose."""
-    _launch(MAXSUM, partial_o, partial_stats, sinks, split_counts, out, out_stats,
-            scale_log2, _LN2, kv_split, fresh_out)
-
-
-def _merge_lse_impl(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: float,
-                    sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
-                    out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int,
-                    fresh_out: bool = False) -> None:
-    """Writes the merge into ``out`` (and ``out_lse``); ``kv_split`` 0 lets the dispatcher choose."""
-    to_log2 = 1.0 if base == 2.0 else _LOG2E
-    _launch(LSE, partial_o, partial_lse, sinks, split_counts, out, out_lse,
-            to_log2, 1.0 if base == 2.0 else _LN2, kv_split, fresh_out)
+def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+                kv_split) -> None:
+    """The custom ops' eager body: ``out`` (and ``out_stats``) given; ``kv_split`` 0 = choose."""
+    kv_split = kv_split or None
+    plan = _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats is not None,
+                 kv_split)
+    _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, False)
 
 
 @torch.library.custom_op("kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))
@@ -234,8 +318,8 @@ def merge_maxsum_out(partial_o: torch.Tensor, partial_stats: torch.Tensor, scale
                      sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
                      out: torch.Tensor, out_stats: Optional[torch.Tensor], kv_split: int) -> None:
     """Custom op behind :func:`merge_maxsum` (writes into ``out``; ``kv_split`` 0 = choose)."""
-    _merge_maxsum_impl(partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_stats,
-                       kv_split)
+    _merge_into(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_stats,
+                kv_split)
 
 
 @torch.library.custom_op("kvsplit::merge_lse_out", mutates_args=("out", "out_lse"))
@@ -243,7 +327,7 @@ def merge_lse_out(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: floa
                   sinks: Optional[torch.Tensor], split_counts: Optional[torch.Tensor],
                   out: torch.Tensor, out_lse: Optional[torch.Tensor], kv_split: int) -> None:
     """Custom op behind :func:`merge_lse` (writes into ``out``; ``kv_split`` 0 = choose)."""
-    _merge_lse_impl(partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split)
+    _merge_into(LSE, partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split)
 
 
 @merge_maxsum_out.register_fake
@@ -254,14 +338,6 @@ def _(partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_stats,
 @merge_lse_out.register_fake
 def _(partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split):
     return None
-
-
-def _call(op, impl, fresh_out: bool, *args) -> None:
-    # Eager calls skip the op dispatcher's overhead; traced calls need the op.
-    if torch.compiler.is_compiling():
-        op(*args)
-    else:
-        impl(*args, fresh_out=fresh_out)
 
 
 def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_counts=None,
@@ -296,21 +372,11 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     Returns
     -------
     Tensor, or (Tensor, Tensor) with ``return_stats``. A row with no
-    non-empty split is 0 with stats (-inf, 0).
+    non-empty split is 0 with stats (-inf, 0). No input may require grad
+    while grad mode is on (there is no backward).
     """
-    if type(scale_log2) is not float and not _is_real(scale_log2):
-        raise TypeError(f"scale_log2 must be a real number, got {type(scale_log2).__name__}")
-    if not (math.isfinite(scale_log2) and 0 < scale_log2 <= _FLOAT32_MAX):
-        raise ValueError(f"scale_log2 must be positive and finite in float32, got {scale_log2}")
-    _, rows, head_dim, out_dtype = _validate_common(
-        partial_o, "partial_stats", partial_stats, (2,), sinks, split_counts, out, kv_split)
-    fresh_out = out is None
-    if fresh_out:
-        out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
-    out_stats = partial_o.new_empty((rows, 2), dtype=torch.float32) if return_stats else None
-    _call(merge_maxsum_out, _merge_maxsum_impl, fresh_out, partial_o, partial_stats,
-          float(scale_log2), sinks, split_counts, out, out_stats, kv_split or 0)
-    return (out, out_stats) if return_stats else out
+    return _merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
+                  return_stats, kv_split)
 
 
 def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None, out=None,
@@ -338,16 +404,5 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     Tensor, or (Tensor, Tensor) with ``return_lse``. A row with no non-empty
     split is 0 with LSE -inf.
     """
-    if type(base) is not float and not _is_real(base):
-        raise TypeError(f"base must be 2.0 or math.e, got {type(base).__name__}")
-    if base not in (2.0, math.e):
-        raise ValueError(f"base must be 2.0 or math.e, got {base}")
-    _, rows, head_dim, out_dtype = _validate_common(
-        partial_o, "partial_lse", partial_lse, (), sinks, split_counts, out, kv_split)
-    fresh_out = out is None
-    if fresh_out:
-        out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
-    out_lse = partial_o.new_empty((rows,), dtype=torch.float32) if return_lse else None
-    _call(merge_lse_out, _merge_lse_impl, fresh_out, partial_o, partial_lse, float(base),
-          sinks, split_counts, out, out_lse, kv_split or 0)
-    return (out, out_lse) if return_lse else out
+    return _merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, return_lse,
+                  kv_split)

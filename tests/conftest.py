@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import kvsplit
-from kvsplit import _native, reference
+from kvsplit import _kernel, reference
+from kvsplit.config import has_cuda_kernels
 from kvsplit.dispatch import dispatcher
 from kvsplit.dispatch.constraints import KVSPLIT
 
@@ -145,11 +146,11 @@ def cuda_skip_reason() -> str | None:
     """Why the CUDA tests cannot run here (None: they can)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    if not _native.has_cuda_kernels():
+    if not has_cuda_kernels():
         return "this kvsplit build has no CUDA kernels"
     major, minor = torch.cuda.get_device_capability()
     capability = 10 * major + minor
-    built = _native.ext().cuda_architectures.split()
+    built = kvsplit._native.ext().cuda_architectures.split()
     for entry in built:
         arch, _, kind = entry.partition("-")
         specific = arch.endswith(("a", "f"))
@@ -216,13 +217,12 @@ def chosen_kv_split(monkeypatch):
     """
     monkeypatch.delenv("KVSPLIT_MAX_SPLIT", raising=False)
     chosen: list[int] = []
-    choose = dispatcher.choose
+    launch = _kernel.Plan.launch
 
-    def spy(*args, **kwargs):
-        config = choose(*args, **kwargs)
+    def spy(plan, *args):
         # A KvSplit config is recorded as its K, any other config as itself.
-        chosen.append(config.kv_split if config.family == KVSPLIT else config)
-        return config
+        chosen.append(plan.config.kv_split if plan.config.family == KVSPLIT else plan.config)
+        return launch(plan, *args)
 
-    monkeypatch.setattr(dispatcher, "choose", spy)
+    monkeypatch.setattr(_kernel.Plan, "launch", spy)
     return chosen

@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 import kvsplit as library
-from kvsplit import _native
+from kvsplit.config import build_hash, has_cuda_kernels
 from kvsplit.autotune import tuner
 from kvsplit.cli import main
 from kvsplit.db import DeviceInfo, open_store
@@ -59,7 +59,7 @@ def kvsplit(*args: str, catch: bool = False) -> SimpleNamespace:
 
 
 def cpu_key(head_dim, num_splits, rows, *, stats_format="maxsum", dtype="bfloat16"):
-    return tuning_key(device_facts(torch.device("cpu")), _native.ext().build_hash, head_dim, dtype,
+    return tuning_key(device_facts(torch.device("cpu")), build_hash(False), head_dim, dtype,
                       dtype, stats_format, num_splits, rows)
 
 
@@ -82,7 +82,7 @@ def test_info_shows_build_hash_and_device(env):
     # "name  value" lines, names padded to one width.
     lines = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1)
                  for line in result.stdout.splitlines() if line.strip())
-    assert lines["build hash"] == _native.ext().build_hash
+    assert lines["build hash"] == build_hash(False)
     assert expected_device() in lines["device"]
 
 
@@ -90,10 +90,10 @@ def test_info_json(env):
     result = kvsplit("info", "--json")
     assert result.exit_code == 0, result.output
     facts = json.loads(result.stdout)
-    assert facts["build hash"] == _native.ext().build_hash
+    assert facts["build hash"] == build_hash(False)
     assert expected_device() in facts["device"]
     assert facts["cuda kernels"] in ("yes", "no (CPU implementation only)")
-    assert facts["cuda kernels"].startswith("yes") == _native.has_cuda_kernels()
+    assert facts["cuda kernels"].startswith("yes") == has_cuda_kernels()
 
 
 def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsplit import merge
-from kvsplit.dispatch.constraints import DSPLIT, Config
+from kvsplit import _kernel, _native, merge
+from kvsplit.config import FAMILY_CODES, KernelConfig
 from merge_grid import DTYPES, FORMATS, HEAD_DIMS, out_kwargs
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
 
 
-def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Config]:
+def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[KernelConfig]:
     configs = []
     for slices in (1, 2, 4, 8, 16):
         vectors, rest = divmod(head_dim * elem_bytes, 16 * slices)
@@ -28,11 +28,11 @@ def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Config
             continue
         for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
             if 32 <= vectors * kv_split <= 512 and kv_split <= num_splits:
-                configs += [Config(DSPLIT, slices, kv_split, depth) for depth in (4, 8)]
+                configs += [KernelConfig.dsplit(slices, kv_split, depth) for depth in (4, 8)]
     return configs
 
 
-def pin(monkeypatch, config: Config) -> None:
+def pin(monkeypatch, config: KernelConfig) -> None:
     monkeypatch.setenv("KVSPLIT_MODE",
                        f"dsplit:{config.slices}:{config.kv_split}:{config.depth}")
 
@@ -92,7 +92,7 @@ def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, c
     split_counts = torch.randint(0, num_splits + 3, (rows,), generator=gen, dtype=torch.int32)
     scale = merge_kit.scale_log2(gen)
     lanes = head_dim * dtypes[0].itemsize // 16 // slices
-    configs = [Config(DSPLIT, slices, k, depth) for k in (64, 128) if lanes * k <= 512
+    configs = [KernelConfig.dsplit(slices, k, depth) for k in (64, 128) if lanes * k <= 512
                for depth in (4, 8)]
     for config in configs:
         pin(monkeypatch, config)
@@ -109,7 +109,7 @@ def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, c
 def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, merge_kit,
                                                  chosen_kv_split, monkeypatch):
     """Groups of 1..13 partials (a first round of 1..depth, then full rounds), some rows empty."""
-    head_dim, config = 128, Config(DSPLIT, 2, kv_split, depth)
+    head_dim, config = 128, KernelConfig.dsplit(2, kv_split, depth)
     for num_splits in range(kv_split, kv_split * 4 + 2):
         gen = merge_kit.generator("trip", kv_split, num_splits)
         partial_o, stats = merge_kit.partials("maxsum", num_splits, 12, head_dim, torch.bfloat16,
@@ -137,7 +137,7 @@ def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split
                                            *merge_kit.reference("maxsum", partial_o, stats))
     # 4 slices of 512 bf16 are 16 lanes: 32 groups > 12 partials -> 8. One slice
     # would be 64 lanes, more than a warp: KvSplit K = 16, which a 1 KiB row cuts to 8.
-    assert chosen_kv_split == [Config(DSPLIT, 4, 8), 8]
+    assert chosen_kv_split == [KernelConfig.dsplit(4, 8), 8]
 
 
 @pytest.mark.parametrize("mode", ["dsplit:3:4", "dsplit:4", "dsplit:4:256", "dsplit:4:16:6",
@@ -150,15 +150,22 @@ def test_a_bad_mode_is_refused_naming_the_variable(mode, merge_kit, monkeypatch)
         merge_kit.merge("maxsum", partial_o, stats)
 
 
-@pytest.mark.parametrize("slices, kv_split, depth", [(3, 8, 4), (16, 8, 4), (1, 64, 4), (2, 1, 4),
-                                                     (2, 8, 6)])
-def test_the_kernels_refuse_an_impossible_geometry(device, slices, kv_split, depth, merge_kit):
-    """The launchers' own check (the dispatcher never sends these): nothing is written."""
-    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 128, torch.bfloat16,
+@pytest.mark.parametrize("family, slices, kv_split, depth, head_dim", [
+    ("dsplit", 3, 8, 4, 128), ("dsplit", 16, 8, 4, 128), ("dsplit", 1, 64, 4, 128),
+    ("dsplit", 2, 1, 4, 128), ("dsplit", 2, 8, 6, 128), ("dsplit", 8, 16, 4, 64),
+    ("kvsplit", 1, 16, 4, 512), ("kvsplit", 1, 3, 4, 128), ("kvsplit", 2, 4, 4, 128)])
+def test_the_kernels_refuse_an_impossible_geometry(device, family, slices, kv_split, depth,
+                                                   head_dim, merge_kit):
+    """The launchers' own check, CUDA and CPU twin alike (the dispatcher never sends these,
+    and a KernelConfig cannot hold them): nothing is written."""
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, head_dim, torch.bfloat16,
                                           merge_kit.generator("geometry", slices, kv_split, depth))
     partial_o, stats = partial_o.to(device), stats.to(device)
-    out = torch.full((4, 128), 7.0, dtype=torch.bfloat16, device=device)
+    out = torch.full((4, head_dim), 7.0, dtype=torch.bfloat16, device=device)
+    plan = _kernel.Plan(KernelConfig.kvsplit(1), merge.MAXSUM, partial_o, stats, out, None, 1.0)
+    ext = _native.ext()
+    bad = ext.KernelConfig(FAMILY_CODES[family], slices, kv_split, depth)
+    object.__setattr__(plan, "native", ext.Launch(plan.native.params, bad, plan.native.target))
     with pytest.raises(ValueError, match="unsupported (slices|kv_split|depth)"):
-        merge._launch(merge.MAXSUM, partial_o, stats, None, None, out, None, 1.0, merge._LN2, 0,
-                      config=Config(DSPLIT, slices, kv_split, depth))
-    assert torch.equal(out.cpu(), torch.full((4, 128), 7.0, dtype=torch.bfloat16))
+        _kernel.run(plan, partial_o, stats, out, 1.0)
+    assert torch.equal(out.cpu(), torch.full((4, head_dim), 7.0, dtype=torch.bfloat16))

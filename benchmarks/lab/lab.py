@@ -1,4 +1,4 @@
-"""Kernel lab: compile variants of merge.cuh's experiment knobs and time them side by side.
+"""Kernel lab: compile variants of merge_kvsplit.cuh's experiment knobs and time them side by side.
 
     python -P benchmarks/lab/lab.py [--out DIR]            # the timing table
     python -P benchmarks/lab/lab.py --one VARIANT D ROWS N K  # three launches, for ncu
@@ -37,8 +37,8 @@ def _load(name: str, path: str):
 timing = _load("lab_timing", "autotune/timing.py")
 constraints = _load("lab_constraints", "dispatch/constraints.py")
 
-# Name -> nvcc flags (the knobs at the top of merge.cuh). "-I DIR" ahead of
-# csrc/include swaps in another copy of a header, e.g. an older merge.cuh.
+# Name -> nvcc flags (the knobs at the top of merge_kvsplit.cuh). "-I DIR" ahead of
+# csrc/include swaps in another copy of a header, e.g. an older merge_kvsplit.cuh.
 VARIANTS = {
     "product": "",
     "unroll8": "-DKVSPLIT_LOAD_UNROLL=8",
@@ -51,6 +51,8 @@ SHAPES = [(512, 64, 16), (512, 64, 132), (128, 32, 264), (512, 2048, 132), (512,
 class Params(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats")] + \
+               [(name, ctypes.c_int32) for name in
+                ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
                [(name, ctypes.c_int64) for name in
                 ("num_splits", "rows", "heads", "o_stride_split", "o_stride_row",
                  "stats_stride_split", "stats_stride_row", "out_stride_row")] + \

@@ -1,6 +1,7 @@
-// Maps the runtime stats format and dtypes to the typed launchers, which are
-// instantiated one per file (see CMakeLists.txt) so that they compile in
-// parallel.
+// Maps the runtime stats format, dtypes and family to the typed launchers,
+// which are instantiated one (dtypes, stats format) per file (see
+// CMakeLists.txt) so that they compile in parallel, and launches on the
+// tensors' device.
 #include <cuda_runtime.h>
 
 #include "kvsplit/dispatch.h"
@@ -9,36 +10,61 @@
 namespace kvsplit {
 
 template <DType kPartial, DType kOut, StatsFormat kFormat>
-cudaError_t launch_merge_typed(const MergeParams& p, int head_dim, int kv_split, int sm_count,
-                               bool pdl, cudaStream_t stream);
+Status launch_kvsplit_typed(const MergeParams& p, const KernelConfig& config, int sm_count,
+                            bool pdl, cudaStream_t stream);
 template <DType kPartial, DType kOut, StatsFormat kFormat>
-cudaError_t launch_dsplit_typed(const MergeParams& p, int head_dim, int slices, int kv_split,
-                                int depth, bool pdl, cudaStream_t stream);
+Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
+                           cudaStream_t stream);
 
-int merge_cuda(const MergeParams& params, const KernelChoice& choice, int sm_count, bool pdl,
-               void* stream) {
-  cudaError_t status = cudaErrorInvalidValue;
-  KVSPLIT_DISPATCH_STATS_FORMAT(choice.stats_format, kFormat, {
-    KVSPLIT_DISPATCH_DTYPES(choice.partial_dtype, choice.out_dtype, kPartial, kOut, {
-      const auto cuda_stream = static_cast<cudaStream_t>(stream);
-      if (choice.family == Family::kDSplit) {
-        status = launch_dsplit_typed<kPartial, kOut, kFormat>(
-            params, choice.head_dim, choice.slices, choice.kv_split, choice.depth, pdl,
-            cuda_stream);
-      } else if (choice.family == Family::kKvSplit) {
-        status = launch_merge_typed<kPartial, kOut, kFormat>(
-            params, choice.head_dim, choice.kv_split, sm_count, pdl, cuda_stream);
-      } else {
-        throw_unsupported("family", static_cast<int>(choice.family));
-      }
+namespace {
+
+// Makes `device` current for one launch and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    error_ = cudaGetDevice(&previous_);
+    if (error_ == cudaSuccess && previous_ != device) error_ = cudaSetDevice(device);
+    else previous_ = -1;  // nothing to restore
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  cudaError_t error() const { return error_; }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+  cudaError_t error_ = cudaSuccess;
+};
+
+}  // namespace
+
+Status merge_cuda(const MergeParams& p, const KernelConfig& config, const CudaTarget& target) {
+  Status status = check_problem(p);
+  if (status.ok()) status = check_config(config, p.head_dim, elem_bytes(p.partial_dtype));
+  if (!status.ok() || p.rows == 0) return status;
+  DeviceGuard guard(target.device);
+  if (guard.error() != cudaSuccess) return fail(Error::kCuda, guard.error());
+  const auto stream = static_cast<cudaStream_t>(target.stream);
+  KVSPLIT_DISPATCH_STATS_FORMAT(p.stats_format, kFormat, status, {
+    KVSPLIT_DISPATCH_DTYPES(p.partial_dtype, p.out_dtype, kPartial, kOut, status, {
+      KVSPLIT_DISPATCH_FAMILY(config.family, kFamily, status, {
+        if constexpr (kFamily == Family::kKvSplit) {
+          status = launch_kvsplit_typed<kPartial, kOut, kFormat>(p, config, target.sm_count,
+                                                                 target.pdl, stream);
+        } else {
+          status = launch_dsplit_typed<kPartial, kOut, kFormat>(p, config, target.pdl, stream);
+        }
+      })
     })
   })
-  return static_cast<int>(status);
+  return status;
 }
 
-std::string cuda_error_string(int status) {
-  const auto error = static_cast<cudaError_t>(status);
-  return std::string(cudaGetErrorName(error)) + ": " + cudaGetErrorString(error);
+std::string cuda_error_string(int64_t error) {
+  const auto value = static_cast<cudaError_t>(error);
+  return std::string(cudaGetErrorName(value)) + ": " + cudaGetErrorString(value);
 }
 
 }  // namespace kvsplit

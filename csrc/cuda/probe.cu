@@ -90,38 +90,42 @@ __global__ void __launch_bounds__(kProbeThreads)
 
 int64_t blocks_for(int64_t threads) { return (threads + kProbeThreads - 1) / kProbeThreads; }
 
-}  // namespace
-
-int launch_noop(int grid, void* stream) {
-  noop_kernel<<<grid, 32, 0, static_cast<cudaStream_t>(stream)>>>();
-  return static_cast<int>(cudaGetLastError());
+Status cuda_status(cudaError_t error) {
+  return error == cudaSuccess ? Status{} : fail(Error::kCuda, error);
 }
 
-int launch_read_probe(const void* partial_o, int64_t o_bytes, const void* stats,
+}  // namespace
+
+Status launch_noop(int grid, void* stream) {
+  noop_kernel<<<grid, 32, 0, static_cast<cudaStream_t>(stream)>>>();
+  return cuda_status(cudaGetLastError());
+}
+
+Status launch_read_probe(const void* partial_o, int64_t o_bytes, const void* stats,
                       int64_t stats_bytes, void* out, int64_t out_bytes, void* stream) {
   // Whole 16-byte chunks only: a stats tail under 16 bytes is left unread.
   const int64_t o_chunks = o_bytes / 16;
   const int64_t stats_chunks = stats_bytes / 16;
   const int64_t out_chunks = out_bytes / 16;
   const int64_t threads = (o_chunks + stats_chunks + kProbeChunksPerThread - 1) / kProbeChunksPerThread;
-  if (threads < 1) return 0;
+  if (threads < 1) return Status{};
   read_probe_kernel<<<static_cast<unsigned>(blocks_for(threads)), kProbeThreads, 0,
                       static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint4*>(partial_o), o_chunks, static_cast<const uint4*>(stats),
       stats_chunks, static_cast<uint4*>(out), out_chunks, threads);
-  return static_cast<int>(cudaGetLastError());
+  return cuda_status(cudaGetLastError());
 }
 
-int launch_producer(void* partial_o, int64_t o_elems, float* stats, int64_t num_stats, int seed,
+Status launch_producer(void* partial_o, int64_t o_elems, float* stats, int64_t num_stats, int seed,
                     bool pdl, void* stream) {
   const int64_t o_vecs = o_elems / 8;
   const int64_t threads = o_vecs > num_stats ? o_vecs : num_stats;
   int64_t blocks = blocks_for(threads);
   if (blocks > 8192) blocks = 8192;
-  if (blocks < 1) return 0;
+  if (blocks < 1) return Status{};
   PdlLaunch launch(static_cast<unsigned>(blocks), kProbeThreads, 0,
                    static_cast<cudaStream_t>(stream), pdl);
-  return static_cast<int>(cudaLaunchKernelEx(
+  return cuda_status(cudaLaunchKernelEx(
       &launch.config, producer_kernel, static_cast<uint4*>(partial_o), o_vecs,
       reinterpret_cast<float2*>(stats), num_stats, static_cast<uint32_t>(seed)));
 }

@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 from kvsplit import _native
 from kvsplit.autotune import tuner
 from kvsplit.autotune.timing import Timing
-from kvsplit.autotune.tuner import NOISE_MARGIN, candidates, pick_winner, tune
+from kvsplit.autotune.tuner import NOISE_MARGIN, pick_winner, prune
+from kvsplit.config import build_hash
 from kvsplit.db import DeviceInfo, KernelConfig, TuningKey, TuningRecord, open_store
 from kvsplit.db.transfer import tool_version
 from kvsplit.dispatch import dispatcher as dispatch_module
-from kvsplit.dispatch.constraints import DSPLIT, Config, kvsplit_config
+from kvsplit.dispatch.constraints import configs_for_key, kvsplit_config
 from kvsplit.dispatch.device import device_facts
 from kvsplit.dispatch.keys import device_info
 
@@ -46,9 +47,21 @@ def plain_environment(monkeypatch, tmp_path):
     dispatch_module.dispatcher.forget()
 
 
+def candidates(key, *, max_split=None, is_cuda=True, pruned=True):
+    """What the dispatcher hands the tuner: the valid configs, pruned on GPUs."""
+    configs = configs_for_key(key, is_cuda=is_cuda, max_split=max_split)
+    return prune(configs, key) if pruned and is_cuda else configs
+
+
+def tune(key, device, *, max_split=None, **options):
+    return tuner.tune(key, device, candidates(key, max_split=max_split,
+                                              is_cuda=device.type == "cuda", pruned=False),
+                      **options)
+
+
 def cpu_key(head_dim=64, num_splits=16, rows=8, *, dtype="bfloat16", stats_format="maxsum"):
     out_dtype = "bfloat16" if dtype == "float32" else dtype
-    return TuningKey(device=device_info(device_facts(CPU)), build_hash=_native.ext().build_hash,
+    return TuningKey(device=device_info(device_facts(CPU)), build_hash=build_hash(False),
                      head_dim=head_dim, partial_dtype=dtype, out_dtype=out_dtype,
                      stats_format=stats_format, num_splits=num_splits, rows=rows)
 
@@ -75,12 +88,12 @@ def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
         for k in (1, 2, 4, 8, 16, 32, 64, 128):
             if (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
                     and k <= num_splits and (max_split is None or k <= max_split)):
-                configs += [Config(DSPLIT, slices, k, depth) for depth in (4, 8)]
+                configs += [KernelConfig.dsplit(slices, k, depth) for depth in (4, 8)]
     return configs
 
 
 @SETTINGS
-@given(head_dim=st.sampled_from([64, 128, 256, 512, 1024]),
+@given(head_dim=st.sampled_from([64, 128, 256, 512]),
        dtype=st.sampled_from(sorted(ELEM_BYTES)), num_splits=st.integers(1, 2048),
        rows=st.one_of(st.integers(1, 64), st.integers(1, 2_000_000)), sm_count=st.integers(1, 200),
        is_cuda=st.booleans(), max_split=st.one_of(st.none(), st.integers(1, 32)))
@@ -96,8 +109,7 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     if is_cuda:  # DSplit slices are a GPU matter: the CPU tunes KvSplit only
         expected += spec_dsplit(head_dim, ELEM_BYTES[dtype], num_splits, max_split)
     assert everything == expected
-    assert all(tuner.to_db(c) == KernelConfig(family=c.family_name, params=c.params())
-               for c in everything)
+    assert all(KernelConfig(c.family, c.params) == c for c in everything)
     assert len(set(everything)) == len(everything)  # hashable configs
     pruned = candidates(key, max_split=max_split, is_cuda=is_cuda)
     assert kvsplit_config(1) in pruned and set(pruned) <= set(everything)
@@ -111,10 +123,10 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
 
 @pytest.mark.parametrize("head_dim, rows, num_splits, kept", [
     # (D, rows, N) -> configs the H200 sweep found best or within 2 % of it (docs/benchmarks.md)
-    (512, 64, 132, Config(DSPLIT, 4, 16, 8)),
-    (128, 32, 264, Config(DSPLIT, 4, 64, 8)),
-    (128, 256, 132, Config(DSPLIT, 1, 16, 8)),
-    (512, 512, 132, Config(DSPLIT, 2, 4, 4)),
+    (512, 64, 132, KernelConfig.dsplit(4, 16, 8)),
+    (128, 32, 264, KernelConfig.dsplit(4, 64, 8)),
+    (128, 256, 132, KernelConfig.dsplit(1, 16, 8)),
+    (512, 512, 132, KernelConfig.dsplit(2, 4, 4)),
     (512, 2048, 16, kvsplit_config(1)),
     (128, 2048, 32, kvsplit_config(4)),
 ])
@@ -178,7 +190,7 @@ def test_tune_profiles_every_valid_kv_split(head_dim, stats_format, dtype, tmp_p
     record = tune(key, CPU, replays=5)
     assert isinstance(record, TuningRecord) and record.key == key
     measured = [c.config for c in record.candidates]
-    assert sorted(measured, key=lambda c: c.kv_split) == [tuner.to_db(c) for c in candidates(key, is_cuda=False)]
+    assert sorted(measured, key=lambda c: c.kv_split) == candidates(key, is_cuda=False)
     assert len(measured) == 5  # 1..16: the CPU has no grid budget
     assert all(c.matched for c in record.candidates)
     for c in record.candidates:
@@ -191,7 +203,7 @@ def test_tune_profiles_every_valid_kv_split(head_dim, stats_format, dtype, tmp_p
     # The winner follows the rule from the recorded measurements.
     recorded = {kvsplit_config(c.config.kv_split): Timing(c.median_us, c.p10_us, c.p90_us, c.samples)
                 for c in record.candidates}
-    assert tuner.to_db(pick_winner(recorded, record.policy.noise_margin)) == record.winner
+    assert pick_winner(recorded, record.policy.noise_margin) == record.winner
     # And the record is what the database accepts and gives back.
     with open_store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
         store.upsert(record)
@@ -223,11 +235,11 @@ def test_tune_measures_the_kv_split_it_records_whatever_the_environment(monkeypa
         def __getattr__(self, name):
             return getattr(ext, name)
 
-        def merge_cpu(self, *args):
-            ran.append(args[-2])  # the arguments end with kv_split, depth
-            return ext.merge_cpu(*args)
+        def merge_cpu(self, launch, *args):
+            ran.append(launch.config.kv_split)
+            return ext.merge_cpu(launch, *args)
 
-    monkeypatch.setattr(_native, "ext", lambda: Spy())
+    monkeypatch.setattr(tuner._kernel, "_ext", Spy())
     monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "1")
     record = tune(cpu_key(64, 16, 8), CPU, replays=3)
     recorded = {c.config.kv_split for c in record.candidates}
@@ -247,11 +259,11 @@ def rigged(monkeypatch):
     corrupt: dict = {}
     real_run = tuner._Scratch.run
 
-    def run(self, candidate, index=0):
-        out = real_run(self, candidate, index)
-        state.last = candidate.kv_split
-        if candidate.kv_split in corrupt:
-            corrupt[candidate.kv_split](out)
+    def run(self, plan, index=0):
+        out = real_run(self, plan, index)
+        state.last = plan.config.kv_split
+        if plan.config.kv_split in corrupt:
+            corrupt[plan.config.kv_split](out)
         return out
 
     def fake_clock(launch, **kwargs):
@@ -306,12 +318,12 @@ def test_when_every_k_above_1_disagrees_k1_wins(rigged):
 
 
 @pytest.mark.parametrize("medians, winner", [
-    ({kvsplit_config(8): 5.05, Config(DSPLIT, 4, 16): 5.0}, kvsplit_config(8)),   # fewer groups
-    ({kvsplit_config(8): 6.0, Config(DSPLIT, 4, 16): 5.0}, Config(DSPLIT, 4, 16)),
-    ({kvsplit_config(8): 5.0, Config(DSPLIT, 2, 4): 5.0}, kvsplit_config(8)),      # 8 groups each
-    ({Config(DSPLIT, 4, 4): 5.08, Config(DSPLIT, 2, 16): 5.0}, Config(DSPLIT, 4, 4)),
-    ({Config(DSPLIT, 2, 8): 5.0, Config(DSPLIT, 4, 4): 5.0}, Config(DSPLIT, 2, 8)),  # fewer slices
-    ({Config(DSPLIT, 2, 8, 8): 5.0, Config(DSPLIT, 2, 8, 4): 5.05}, Config(DSPLIT, 2, 8, 4)),
+    ({kvsplit_config(8): 5.05, KernelConfig.dsplit(4, 16): 5.0}, kvsplit_config(8)),   # fewer groups
+    ({kvsplit_config(8): 6.0, KernelConfig.dsplit(4, 16): 5.0}, KernelConfig.dsplit(4, 16)),
+    ({kvsplit_config(8): 5.0, KernelConfig.dsplit(2, 4): 5.0}, kvsplit_config(8)),      # 8 groups each
+    ({KernelConfig.dsplit(4, 4): 5.08, KernelConfig.dsplit(2, 16): 5.0}, KernelConfig.dsplit(4, 4)),
+    ({KernelConfig.dsplit(2, 8): 5.0, KernelConfig.dsplit(4, 4): 5.0}, KernelConfig.dsplit(2, 8)),  # fewer slices
+    ({KernelConfig.dsplit(2, 8, 8): 5.0, KernelConfig.dsplit(2, 8, 4): 5.05}, KernelConfig.dsplit(2, 8, 4)),
 ])
 def test_pick_winner_prefers_the_simpler_config_among_near_ties(medians, winner):
     table = {c: Timing(m, m, m, 1) for c, m in medians.items()}
@@ -326,10 +338,10 @@ def raising(monkeypatch):
     state = SimpleNamespace(ks=set())
     real_run = tuner._Scratch.run
 
-    def run(self, candidate, index=0):
-        if candidate.kv_split in state.ks:
-            raise RuntimeError(f"launch failed for kv_split={candidate.kv_split}")
-        return real_run(self, candidate, index)
+    def run(self, plan, index=0):
+        if plan.config.kv_split in state.ks:
+            raise RuntimeError(f"launch failed for kv_split={plan.config.kv_split}")
+        return real_run(self, plan, index)
 
     monkeypatch.setattr(tuner._Scratch, "run", run)
     return state

@@ -43,12 +43,12 @@ def cpu_records():
     """The template's records by name (needs the installed kvsplit and torch)."""
     import torch
 
-    from kvsplit import _native
+    from kvsplit.config import build_hash
     from kvsplit.dispatch.device import device_facts
     from kvsplit.dispatch.keys import device_info
 
     cpu = device_info(device_facts(torch.device("cpu")))
-    build = _native.ext().build_hash
+    build = build_hash(False)
     return {
         "k0": make_record(device=cpu, build_hash=build, head_dim=64, num_splits=16, rows=8, winner=4),
         "k1": make_record(device=cpu, build_hash=build, head_dim=64, num_splits=32, rows=8, winner=2),

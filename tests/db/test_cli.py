@@ -263,15 +263,16 @@ def test_rows_and_num_splits_find_the_bucket_a_call_looks_up(db_url):
 
 
 def test_prune_stale_builds_keeps_the_installed_build_by_default(filled):
-    from kvsplit.installed import build_hash
+    from kvsplit.config import build_hash
 
+    installed = build_hash(False)  # the CPU twin's: in every build
     with open_store(filled) as store:
-        store.upsert(make_record(build_hash=build_hash(), rows=3))
+        store.upsert(make_record(build_hash=installed, rows=3))
     stats = run("--db", filled, "stats")
     assert "installed" in stats.stdout
     result = json.loads(run("--db", filled, "prune", "--stale-builds", "--json").stdout)
     assert result["count"] == 11  # build-a and build-b, although build-b was tuned last
-    assert [r["key"]["build_hash"] for r in json.loads(run("--db", filled, "list", "--json").stdout)] == [build_hash()]
+    assert [r["key"]["build_hash"] for r in json.loads(run("--db", filled, "list", "--json").stdout)] == [installed]
 
 
 @pytest.mark.parametrize("width", [120, 140, 160])

@@ -172,8 +172,7 @@ def test_newer_schema_gives_a_library_caller_one_warning_and_memory(db_url):
 def test_a_database_from_before_the_dsplit_family_still_serves_its_choices(db_url):
     """Revision 0001 knew only kv_split: its winners still reach the kernel, next to DSplit ones."""
     from kvsplit.db import CandidateResult, DeviceInfo
-    from kvsplit.dispatch.constraints import DSPLIT, Config, constrain_config, kvsplit_config
-    from kvsplit.dispatch.dispatcher import _runnable
+    from kvsplit.dispatch.constraints import constrain_config, kvsplit_config
 
     _build_revision_1(db_url)
     with pytest.warns(DbWarning):
@@ -182,7 +181,7 @@ def test_a_database_from_before_the_dsplit_family_still_serves_its_choices(db_ur
     before = store.load_choices(h200, "build-a")
     assert sorted(w.kv_split for w in before.values()) == [1, 8]
     for (head_dim, _, _, _, num_splits, rows), winner in before.items():
-        config = _runnable(winner)  # what the dispatcher does with a stored winner
+        config = winner  # what the dispatcher constrains and launches
         assert config == kvsplit_config(winner.kv_split)
         assert constrain_config(config, head_dim=head_dim, elem_bytes=2, rows=rows,
                                 num_splits=num_splits, sm_count=132) == config
@@ -196,6 +195,6 @@ def test_a_database_from_before_the_dsplit_family_still_serves_its_choices(db_ur
     store.upsert(record)
     after = store.load_choices(h200, "build-a")
     assert {k: v for k, v in after.items() if k in before} == before
-    assert _runnable(after[record.key.choice_key]) == Config(DSPLIT, 4, 16, 8)
+    assert after[record.key.choice_key] == KernelConfig.dsplit(4, 16, 8)
     assert store.get(record.key).winner.label == "dsplit(depth=8, kv_split=16, slices=4)"
     store.close()

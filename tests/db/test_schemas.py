@@ -10,6 +10,7 @@ import pytest
 from dbtestlib import H200, make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvsplit import _native
 from kvsplit.db import (
     FAMILIES,
     CandidateResult,
@@ -39,21 +40,26 @@ def test_every_kv_split_is_a_valid_config(k):
         ("kvsplit", {}, "missing kv_split"),
         ("kvsplit", {"kv_split": 4, "extra": 1}, "unknown extra"),
         ("headsplit", {"ctas": 2}, "unknown kernel family 'headsplit'"),
-        ("kvsplit", {"kv_split": True}, "valid integer"),
-        ("kvsplit", {"kv_split": 4.0}, "valid integer"),
+        ("kvsplit", {"kv_split": True}, "not one of"),
+        ("kvsplit", {"kv_split": 4.0}, "not one of"),
     ],
 )
 def test_invalid_configs_are_refused(family, params, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ValueError, match=message):
         KernelConfig(family=family, params=params)
+    # Inside a record, the same problem is a validation error of that record.
+    with pytest.raises(ValidationError, match=message):
+        CandidateResult(config={"family": family, "params": params}, median_us=1.0, p10_us=1.0,
+                        p90_us=1.0, samples=1, matched=True)
 
 
-def test_a_second_family_is_one_registry_line_and_round_trips(monkeypatch):
-    monkeypatch.setitem(FAMILIES, "headsplit", {"ctas": (1, 2, 4), "warps": (4, 8)})
-    other = KernelConfig(family="headsplit", params={"warps": 8, "ctas": 2})
-    assert other.kv_split is None and other.label == "headsplit(ctas=2, warps=8)"
-    with pytest.raises(ValidationError, match="not one of 1, 2, 4"):
-        KernelConfig(family="headsplit", params={"ctas": 3, "warps": 4})
+def test_the_family_registry_is_the_kernel_layers_and_a_second_family_round_trips():
+    assert FAMILIES == {family: {name: tuple(values) for name, values in params.items()}
+                        for family, params in _native.ext().FAMILY_PARAMS.items()}
+    other = KernelConfig(family="dsplit", params={"slices": 4, "kv_split": 16, "depth": 8})
+    assert other.label == "dsplit(depth=8, kv_split=16, slices=4)"
+    with pytest.raises(ValueError, match="not one of 1, 2, 4"):
+        KernelConfig(family="dsplit", params={"slices": 3, "kv_split": 16, "depth": 8})
     base = make_record(winner=4)
     record = base.model_copy(
         update={

@@ -112,7 +112,7 @@ BAD_CASES = {
     ),
     "unknown family": (_set(["records", 0, "winner", "family"], "headsplit"), "unknown kernel family"),
     "unknown param": (_set(["records", 1, "winner", "params", "tile"], 2), "record 1: winner"),
-    "K as a string": (_set(["records", 1, "winner", "params", "kv_split"], "4"), "record 1: winner.params.kv_split"),
+    "K as a string": (_set(["records", 1, "winner", "params", "kv_split"], "4"), "record 1: winner: kvsplit.kv_split='4'"),
     "negative time": (_set(["records", 1, "candidates", 0, "p10_us"], -1.0), "record 1: candidates.0.p10_us"),
     "infinite time": (
         _set(["records", 0, "candidates", 2, "median_us"], float("inf")),

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import kvsplit
-from kvsplit import _native
+from kvsplit import _kernel
+from kvsplit.config import build_hash
 from kvsplit.autotune import tuner
 from kvsplit.db import KernelConfig, TuningPolicy, TuningRecord, open_store
 from kvsplit.dispatch import dispatcher as dispatch_module
@@ -73,7 +74,7 @@ def no_tuning(monkeypatch):
 def key_for(head_dim, num_splits, rows, *, dtype="bfloat16", out_dtype=None, stats_format="maxsum",
             device="cpu"):
     """The (bucketed) tuning key the dispatcher looks up for a call of this shape."""
-    return tuning_key(device_facts(torch.device(device)), _native.ext().build_hash, head_dim, dtype,
+    return tuning_key(device_facts(torch.device(device)), build_hash(False), head_dim, dtype,
                       out_dtype or dtype, stats_format, num_splits, rows)
 
 
@@ -97,21 +98,29 @@ def kernel_ks(monkeypatch):
     ``kernel_ks.use(dispatcher)`` routes merge calls to another Dispatcher.
     """
     ks: list[int] = []
-    depth = threading.local()
-    target = SimpleNamespace(choose=dispatch_module.choose)
+    tuning = threading.local()
+    launch, run = _kernel.Plan.launch, _kernel.run
 
-    def spy(*args, **kwargs):
-        depth.n = getattr(depth, "n", 0) + 1
+    def spy_launch(plan, *args):
+        if not getattr(tuning, "on", False):  # a KvSplit config as its K, any other as itself
+            ks.append(plan.config.kv_split if plan.config.family == KVSPLIT else plan.config)
+        return launch(plan, *args)
+
+    def tuner_run(*args, **kwargs):
+        tuning.on = True
         try:
-            config = target.choose(*args, **kwargs)
+            return run(*args, **kwargs)
         finally:
-            depth.n -= 1
-        if depth.n == 0:  # a KvSplit config as its K, any other config as itself
-            ks.append(config.kv_split if config.family == KVSPLIT else config)
-        return config
+            tuning.on = False
 
-    monkeypatch.setattr(dispatch_module, "choose", spy)
-    return SimpleNamespace(ks=ks, use=lambda d: setattr(target, "choose", d.choose))
+    def use(other):
+        dispatch_module.dispatcher.plans.clear()
+        monkeypatch.setattr(dispatch_module, "choose_for_plan", other.choose_for_plan)
+
+    monkeypatch.setattr(_kernel.Plan, "launch", spy_launch)
+    monkeypatch.setattr(_kernel, "run", tuner_run)
+    yield SimpleNamespace(ks=ks, use=use)
+    dispatch_module.dispatcher.plans.clear()
 
 
 @pytest.fixture

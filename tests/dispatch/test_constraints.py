@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsplit.dispatch.constraints import (DSPLIT, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
-                                          KVSPLIT, Config, config_from, constrain,
-                                          constrain_config, dsplit_violations, kvsplit_config,
-                                          num_ctas, rows_per_cta, valid_configs, valid_kv_splits,
-                                          violations)
+from kvsplit.config import FAMILIES, KernelConfig
+from kvsplit.dispatch.constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES,
+                                          KV_SPLITS, constrain, constrain_config,
+                                          dsplit_violations, kvsplit_config, num_ctas,
+                                          rows_per_cta, valid_configs, valid_kv_splits, violations)
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None)
 
@@ -170,19 +170,22 @@ def spec_dsplit_valid(slices, k, *, head_dim, elem_bytes, num_splits, max_split)
             and k <= max(num_splits, 1) and (max_split is None or k <= max_split))
 
 
+# A DSplit config exists only for legal head dims.
+dsplit_shapes = shapes.map(lambda shape: dict(shape, head_dim=min(max(shape["head_dim"], 64), 512)))
+
+
 @SETTINGS
-@given(st.sampled_from(DSPLIT_SLICES + (3, 32)), st.sampled_from(DSPLIT_KV_SPLITS + (256,)),
-       st.sampled_from((4, 8, 6)), shapes)
+@given(st.sampled_from(DSPLIT_SLICES), st.sampled_from(DSPLIT_KV_SPLITS),
+       st.sampled_from(DSPLIT_DEPTHS), dsplit_shapes)
 def test_constrain_config_mends_dsplit_by_halving_or_falls_back(slices, k_requested, depth, shape):
-    config = constrain_config(Config(DSPLIT, slices, k_requested, depth), **shape)
+    config = constrain_config(KernelConfig.dsplit(slices, k_requested, depth), **shape)
     rules = dict(head_dim=shape["head_dim"], elem_bytes=shape["elem_bytes"],
                  num_splits=shape["num_splits"], max_split=shape["max_split"])
     fitting = [k for k in DSPLIT_KV_SPLITS if k <= k_requested
-               and slices in DSPLIT_SLICES and k_requested in DSPLIT_KV_SPLITS
                and spec_dsplit_valid(slices, k, **rules)]
     if fitting:
-        assert config == Config(DSPLIT, slices, max(fitting), 8 if depth == 8 else 4)
-        assert not dsplit_violations(slices, config.kv_split, **rules)
+        assert config == KernelConfig.dsplit(slices, max(fitting), depth)
+        assert not dsplit_violations(config, **rules)
     else:  # KvSplit of the same K (at most 16), constrained
         assert config == kvsplit_config(spec_constrain(min(k_requested, 16), **shape))
 
@@ -195,24 +198,42 @@ def test_constrain_config_of_kvsplit_is_constrain(k_requested, shape):
 
 
 @SETTINGS
-@given(shapes)
+@given(dsplit_shapes)
 def test_valid_configs_are_exactly_those_that_constrain_leaves_alone(shape):
     configs = valid_configs(**shape)
     assert configs[0] == kvsplit_config(1)
     everything = [kvsplit_config(k) for k in KV_SPLITS] + [
-        Config(DSPLIT, p, k, d) for p in DSPLIT_SLICES for k in DSPLIT_KV_SPLITS for d in (4, 8)]
+        KernelConfig.dsplit(p, k, d) for p in DSPLIT_SLICES for k in DSPLIT_KV_SPLITS for d in (4, 8)]
     for config in everything:
         unchanged = constrain_config(config, **shape) == config
         assert unchanged == (config in configs) or config == kvsplit_config(1)
 
 
-@pytest.mark.parametrize("family, params, expected", [
-    ("kvsplit", {"kv_split": 8}, Config(KVSPLIT, 1, 8)),
-    ("dsplit", {"depth": 8, "kv_split": 16, "slices": 4}, Config(DSPLIT, 4, 16, 8)),
-    ("dsplit", {"kv_split": 16}, None),
-    ("persistent", {"kv_split": 16}, None),
+def test_the_rules_are_the_kernel_layers():
+    """Legal values come from the compiled module: the lists dispatch/ uses are its lists."""
+    assert KV_SPLITS == FAMILIES["kvsplit"]["kv_split"] == (1, 2, 4, 8, 16)
+    assert DSPLIT_SLICES == FAMILIES["dsplit"]["slices"]
+    assert DSPLIT_KV_SPLITS == FAMILIES["dsplit"]["kv_split"]
+    assert DSPLIT_DEPTHS == FAMILIES["dsplit"]["depth"] == (4, 8)
+    # A 2-lane slice (64 bf16 in 8 slices) is illegal for the kernel and the CPU twin alike.
+    assert dsplit_violations(KernelConfig.dsplit(8, 16), head_dim=64, elem_bytes=2,
+                             num_splits=64) == ["slice_width"]
+    assert violations(16, head_dim=512, elem_bytes=2, rows=1, num_splits=64,
+                      sm_count=None) == ["group_holds_row"]
+
+
+@pytest.mark.parametrize("family, params", [
+    ("dsplit", {"kv_split": 16}), ("persistent", {"kv_split": 16}),
+    ("kvsplit", {"kv_split": 3}), ("dsplit", {"depth": 6, "kv_split": 16, "slices": 4}),
 ])
-def test_stored_configs_become_launch_configs(family, params, expected):
-    assert config_from(family, params) == expected
-    if expected is not None:
-        assert expected.params() == params and expected.family_name == family
+def test_unknown_configs_cannot_be_made(family, params):
+    with pytest.raises(ValueError):
+        KernelConfig(family, params)
+
+
+def test_stored_configs_are_launch_configs():
+    config = KernelConfig("dsplit", {"depth": 8, "kv_split": 16, "slices": 4})
+    assert (config.family, config.slices, config.kv_split, config.depth) == ("dsplit", 4, 16, 8)
+    assert config == KernelConfig.dsplit(4, 16, 8) and config.params == {
+        "depth": 8, "kv_split": 16, "slices": 4}
+    assert KernelConfig.kvsplit(8).params == {"kv_split": 8}

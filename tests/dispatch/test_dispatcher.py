@@ -21,10 +21,11 @@ import torch
 
 import kvsplit
 from kvsplit.autotune import tuner
+from kvsplit.config import build_hash
 from kvsplit.db import DbWarning, DeviceInfo, KernelConfig, dump_export, make_export, open_store
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
-from kvsplit.dispatch.constraints import (DSPLIT, KV_SPLITS, Config, constrain, kvsplit_config,
+from kvsplit.dispatch.constraints import (DSPLIT, KV_SPLITS, constrain, kvsplit_config,
                                           valid_kv_splits)
 from kvsplit.dispatch.device import DeviceFacts, device_facts
 
@@ -184,8 +185,8 @@ def test_a_tampered_database_value_is_constrained(call, isolated, keys, merge_ki
 
 @pytest.mark.usefixtures("no_tuning")
 @pytest.mark.parametrize("params, expected", [
-    ({"slices": 2, "kv_split": 8, "depth": 8}, Config(DSPLIT, 2, 8, 8)),  # valid: as stored
-    ({"slices": 2, "kv_split": 32, "depth": 4}, Config(DSPLIT, 2, 16)),   # 32 groups > 24
+    ({"slices": 2, "kv_split": 8, "depth": 8}, KernelConfig.dsplit(2, 8, 8)),  # valid: as stored
+    ({"slices": 2, "kv_split": 32, "depth": 4}, KernelConfig.dsplit(2, 16)),   # 32 groups > 24
     ({"slices": 16, "kv_split": 8, "depth": 4}, 8),   # partials: halved. 16 slices of 64 bf16
 ])                                                    # are 1 lane each: KvSplit K = 8
 def test_a_stored_dsplit_winner_is_applied_after_its_rules(call, isolated, keys, params, expected):
@@ -357,7 +358,7 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
     the_dispatcher = dispatch_module.dispatcher
     shape = (64, torch.bfloat16, torch.bfloat16, 0, 24, 48)
     key = keys.key_for(64, 24, 48).model_copy(update={"device": DeviceInfo(
-        name="Simulated GPU", cc_major=9, cc_minor=0, sm_count=132)})
+        name="Simulated GPU", cc_major=9, cc_minor=0, sm_count=132), "build_hash": build_hash(True)})
     heuristic_k = constrain(spec_heuristic(24), head_dim=64, elem_bytes=2, rows=48, num_splits=24,
                             sm_count=132)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvsplit.dispatch import dispatcher as dispatch_module
-from kvsplit.dispatch.constraints import config_from, constrain_config
+from kvsplit.dispatch.constraints import constrain_config
 from kvsplit.dispatch.device import DeviceFacts
 
 H200 = DeviceFacts("NVIDIA H200", 9, 0, 132, True)
@@ -34,8 +34,7 @@ def test_h200_winners_satisfy_the_constraints_at_their_key():
     assert table
     for (head_dim, dtype, _, _, num_splits, rows), winner in table.items():
         elem = torch.finfo(getattr(torch, dtype)).bits // 8
-        config = config_from(winner.family, winner.params)
-        assert config is not None, winner
+        config = winner
         assert constrain_config(config, head_dim=head_dim, elem_bytes=elem, rows=rows,
                                 num_splits=num_splits, sm_count=132) == config
 
@@ -52,7 +51,7 @@ def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
     table = dispatch_module._shipped_table(H200)
     key = (512, "bfloat16", "bfloat16", "maxsum", 144, 64)
-    shipped = config_from(table[key].family, table[key].params)
+    shipped = table[key]
     assert shipped.kv_split >= 4  # the cap below must bite
     fresh = dispatch_module.Dispatcher()
     config = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,

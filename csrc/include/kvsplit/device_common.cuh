@@ -14,15 +14,16 @@
 
 namespace kvsplit {
 
-constexpr int kBytesPerThread = 16;
-
 template <DType kDType> struct CudaType;
 template <> struct CudaType<DType::kBFloat16> { using type = __nv_bfloat16; };
 template <> struct CudaType<DType::kFloat16> { using type = __half; };
 template <> struct CudaType<DType::kFloat32> { using type = float; };
 
 template <DType kDType>
-constexpr int elem_bytes() { return static_cast<int>(sizeof(typename CudaType<kDType>::type)); }
+constexpr int elem_bytes() {
+  static_assert(sizeof(typename CudaType<kDType>::type) == elem_bytes(kDType), "dtype sizes");
+  return elem_bytes(kDType);
+}
 
 // Element v of 16 packed bytes, as float. `v` is a compile-time constant after
 // unrolling, so the word index never sends `packed` to local memory.

@@ -1,22 +1,41 @@
 // The one place that maps runtime values to template arguments. Each macro
-// sets a constexpr for the matching case and runs the body; anything else
-// throws std::invalid_argument naming the value (the binding turns it into a
-// Python ValueError; the Python layer validates first, so this is a backstop).
+// runs its body with a constexpr NAME equal to the runtime value, for every
+// value of the config.h list it names; anything else sets STATUS to the
+// error naming the value. No exceptions: launchers return the status.
 #pragma once
 
-#include <stdexcept>
-#include <string>
+#include <type_traits>
 
-#include "kvsplit/params.h"
+#include "kvsplit/config.h"
 
 namespace kvsplit {
 
-[[noreturn]] inline void throw_unsupported(const char* what, long long value) {
-  throw std::invalid_argument(std::string("kvsplit: unsupported ") + what + " = " +
-                              std::to_string(value));
+// Calls body(std::integral_constant<int, V>{}) for the value V of `List`
+// equal to `value`; false if there is none.
+template <int... kValues, typename Body>
+bool dispatch_int(IntList<kValues...>, int value, Body&& body) {
+  return ((value == kValues ? (body(std::integral_constant<int, kValues>{}), true) : false) || ...);
 }
 
 }  // namespace kvsplit
+
+#define KVSPLIT_DISPATCH_LIST(LIST, runtime_value, NAME, STATUS, ERROR, ...)                           \
+  if (!::kvsplit::dispatch_int(LIST{}, (runtime_value), [&](auto kvsplit_constant_) {                  \
+        constexpr int NAME = decltype(kvsplit_constant_)::value;                               \
+        __VA_ARGS__                                                                            \
+      })) {                                                                                    \
+    STATUS = ::kvsplit::fail(ERROR, (runtime_value));                                                \
+  }
+
+#define KVSPLIT_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, STATUS, ...) \
+  KVSPLIT_DISPATCH_LIST(::kvsplit::HeadDims, head_dim, HEAD_DIM, STATUS, ::kvsplit::Error::kHeadDim, __VA_ARGS__)
+
+#define KVSPLIT_DISPATCH_KVSPLIT_KV_SPLIT(kv_split, KV_SPLIT, STATUS, ...)            \
+  KVSPLIT_DISPATCH_LIST(::kvsplit::KvSplitKvSplits, kv_split, KV_SPLIT, STATUS,       \
+                        ::kvsplit::Error::kKvSplit, __VA_ARGS__)
+
+#define KVSPLIT_DISPATCH_DSPLIT_DEPTH(depth, DEPTH, STATUS, ...) \
+  KVSPLIT_DISPATCH_LIST(::kvsplit::DsplitDepths, depth, DEPTH, STATUS, ::kvsplit::Error::kDepth, __VA_ARGS__)
 
 #define KVSPLIT_CASE(VALUE, NAME, ...) \
   case VALUE: {                        \
@@ -25,34 +44,21 @@ namespace kvsplit {
     break;                             \
   }
 
-#define KVSPLIT_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...)                   \
-  switch (head_dim) {                                                        \
-    KVSPLIT_CASE(64, HEAD_DIM, __VA_ARGS__)                                  \
-    KVSPLIT_CASE(128, HEAD_DIM, __VA_ARGS__)                                 \
-    KVSPLIT_CASE(256, HEAD_DIM, __VA_ARGS__)                                 \
-    KVSPLIT_CASE(512, HEAD_DIM, __VA_ARGS__)                                 \
-    default: ::kvsplit::throw_unsupported("head_dim", head_dim);             \
+#define KVSPLIT_DISPATCH_FAMILY(family, FAMILY, STATUS, ...)                         \
+  switch (family) {                                                                  \
+    KVSPLIT_CASE(::kvsplit::Family::kKvSplit, FAMILY, __VA_ARGS__)                   \
+    KVSPLIT_CASE(::kvsplit::Family::kDSplit, FAMILY, __VA_ARGS__)                    \
+    default: STATUS = ::kvsplit::fail(::kvsplit::Error::kFamily, static_cast<int>(family)); \
   }
 
-#define KVSPLIT_DISPATCH_KV_SPLIT(kv_split, KV_SPLIT, ...)                   \
-  switch (kv_split) {                                                        \
-    KVSPLIT_CASE(1, KV_SPLIT, __VA_ARGS__)                                   \
-    KVSPLIT_CASE(2, KV_SPLIT, __VA_ARGS__)                                   \
-    KVSPLIT_CASE(4, KV_SPLIT, __VA_ARGS__)                                   \
-    KVSPLIT_CASE(8, KV_SPLIT, __VA_ARGS__)                                   \
-    KVSPLIT_CASE(16, KV_SPLIT, __VA_ARGS__)                                  \
-    default: ::kvsplit::throw_unsupported("kv_split", kv_split);             \
+#define KVSPLIT_DISPATCH_STATS_FORMAT(format, FORMAT, STATUS, ...)                   \
+  switch (format) {                                                                  \
+    KVSPLIT_CASE(::kvsplit::StatsFormat::kMaxSum, FORMAT, __VA_ARGS__)               \
+    KVSPLIT_CASE(::kvsplit::StatsFormat::kLse, FORMAT, __VA_ARGS__)                  \
+    default: STATUS = ::kvsplit::fail(::kvsplit::Error::kStatsFormat, static_cast<int>(format)); \
   }
 
-#define KVSPLIT_DISPATCH_STATS_FORMAT(format, FORMAT, ...)                   \
-  switch (format) {                                                          \
-    KVSPLIT_CASE(::kvsplit::StatsFormat::kMaxSum, FORMAT, __VA_ARGS__)       \
-    KVSPLIT_CASE(::kvsplit::StatsFormat::kLse, FORMAT, __VA_ARGS__)          \
-    default: ::kvsplit::throw_unsupported("stats_format", static_cast<int>(format)); \
-  }
-
-// (partial dtype, output dtype) pairs that are compiled: 16-bit partials
-// produce their own dtype; float32 partials produce either 16-bit dtype.
+// The compiled (partial dtype, output dtype) pairs (dtype_pair_compiled).
 #define KVSPLIT_DTYPE_PAIR(in, out) (static_cast<int>(in) * 4 + static_cast<int>(out))
 #define KVSPLIT_PAIR_CASE(IN, OUT, PARTIAL, OUTPUT, ...)                     \
   case KVSPLIT_DTYPE_PAIR(IN, OUT): {                                        \
@@ -61,16 +67,35 @@ namespace kvsplit {
     __VA_ARGS__                                                              \
     break;                                                                   \
   }
-#define KVSPLIT_DISPATCH_DTYPES(partial_dtype, out_dtype, PARTIAL, OUTPUT, ...)        \
-  switch (KVSPLIT_DTYPE_PAIR(partial_dtype, out_dtype)) {                              \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kBFloat16, ::kvsplit::DType::kBFloat16,        \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                    \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat16, ::kvsplit::DType::kFloat16,          \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                    \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat32, ::kvsplit::DType::kBFloat16,         \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                    \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat32, ::kvsplit::DType::kFloat16,          \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                    \
-    default: ::kvsplit::throw_unsupported("(partial_dtype, out_dtype) pair",           \
-                                          KVSPLIT_DTYPE_PAIR(partial_dtype, out_dtype)); \
+#define KVSPLIT_DISPATCH_DTYPES(partial_dtype, out_dtype, PARTIAL, OUTPUT, STATUS, ...)         \
+  switch (KVSPLIT_DTYPE_PAIR(partial_dtype, out_dtype)) {                                       \
+    KVSPLIT_PAIR_CASE(::kvsplit::DType::kBFloat16, ::kvsplit::DType::kBFloat16,                 \
+                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
+    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat16, ::kvsplit::DType::kFloat16,                   \
+                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
+    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat32, ::kvsplit::DType::kBFloat16,                  \
+                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
+    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat32, ::kvsplit::DType::kFloat16,                   \
+                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
+    default: STATUS = ::kvsplit::fail(::kvsplit::Error::kDtypes,                                \
+                                      KVSPLIT_DTYPE_PAIR(partial_dtype, out_dtype));            \
+  }
+
+// A group's first load round holds 1..MAX partials (a runtime count), each
+// count its own instantiation so that every load is issued before the first
+// use. Device code too: there is no status, a count out of range does nothing.
+#define KVSPLIT_ROUND_CASE(N, MAX, COUNT, ...) \
+  case N:                                      \
+    if constexpr (N <= MAX) {                  \
+      constexpr int COUNT = N;                 \
+      __VA_ARGS__                              \
+    }                                          \
+    break;
+#define KVSPLIT_DISPATCH_FIRST_ROUND(first, MAX, COUNT, ...)                                 \
+  switch (first) {                                                                            \
+    KVSPLIT_ROUND_CASE(1, MAX, COUNT, __VA_ARGS__) KVSPLIT_ROUND_CASE(2, MAX, COUNT, __VA_ARGS__) \
+    KVSPLIT_ROUND_CASE(3, MAX, COUNT, __VA_ARGS__) KVSPLIT_ROUND_CASE(4, MAX, COUNT, __VA_ARGS__) \
+    KVSPLIT_ROUND_CASE(5, MAX, COUNT, __VA_ARGS__) KVSPLIT_ROUND_CASE(6, MAX, COUNT, __VA_ARGS__) \
+    KVSPLIT_ROUND_CASE(7, MAX, COUNT, __VA_ARGS__) KVSPLIT_ROUND_CASE(8, MAX, COUNT, __VA_ARGS__) \
+    default: break;                                                                           \
   }

@@ -1,39 +1,54 @@
-// The DSplit family's geometry rules, shared by the CUDA launcher and the CPU
-// implementation so that both accept exactly the same configs.
+// The DSplit family's geometry: how a config maps onto lanes, groups and CTAs.
+// Used by config.h's validity check, the CUDA launcher and the CPU
+// implementation alike.
 #pragma once
 
-#include "kvsplit/dispatch.h"
+#include <cstdint>
+
+#include "kvsplit/host_device.h"
 
 namespace kvsplit {
 
+constexpr int kDsplitMinLanes = 4;  // 16-byte vectors per slice: a group is 4..32 lanes
+constexpr int kDsplitMaxLanes = 32;  // of one warp
+constexpr int kDsplitMinThreads = 32;
 constexpr int kDsplitMaxThreads = 512;
 
 // log2 of a power of two, -1 for anything else.
-inline int exact_log2(int value) {
+KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {
   if (value < 1) return -1;
   int log2 = 0;
   while ((1 << log2) < value) ++log2;
   return (1 << log2) == value ? log2 : -1;
 }
 
-// Threads per group (16-byte vectors per slice) of a DSplit config; throws
-// std::invalid_argument naming the bad value. A group lies within one warp
-// (1..32 lanes), a CTA has 32..512 threads, all powers of two, and a round
-// loads 4 or 8 partials.
-inline int dsplit_lanes(int head_dim, int elem_bytes, int slices, int kv_split, int depth) {
-  if (depth != 4 && depth != 8) throw_unsupported("depth", depth);
-  const int vec = 16 / elem_bytes;
-  if (exact_log2(slices) < 0 || head_dim % (slices * vec) != 0 ||
-      head_dim / (slices * vec) > 32) {
-    throw_unsupported("slices (head_dim / slices must be 1..32 vectors of 16 bytes)", slices);
-  }
-  const int lanes = head_dim / (slices * vec);
-  if (exact_log2(lanes) < 0) throw_unsupported("slices (lanes must be a power of two)", slices);
-  const int threads = lanes * kv_split;
-  if (exact_log2(kv_split) < 0 || threads < 32 || threads > kDsplitMaxThreads) {
-    throw_unsupported("kv_split (lanes * kv_split must be 32..512 threads)", kv_split);
-  }
-  return lanes;
+// Threads per group (16-byte vectors per slice of head_dim / slices
+// elements), or 0 when that slice is not a power of two of 4..32 vectors.
+KVSPLIT_HOST_DEVICE constexpr int dsplit_lanes(int head_dim, int elem_bytes, int slices) {
+  const int row_bytes = head_dim * elem_bytes;
+  if (exact_log2(slices) < 0 || row_bytes % (16 * slices) != 0) return 0;
+  const int lanes = row_bytes / (16 * slices);
+  return exact_log2(lanes) >= 0 && lanes >= kDsplitMinLanes && lanes <= kDsplitMaxLanes ? lanes : 0;
+}
+
+// A valid DSplit config as the kernel walks it (all counts are powers of two).
+struct DsplitGeometry {
+  int lanes_log2;     // threads per group = 16-byte vectors per slice
+  int kv_split_log2;  // groups per CTA
+  int slices_log2;    // CTAs per row
+  int slice_elems;    // head_dim / slices
+  int64_t items;      // rows * slices: one CTA's work each
+
+  KVSPLIT_HOST_DEVICE int lanes() const { return 1 << lanes_log2; }
+  KVSPLIT_HOST_DEVICE int threads() const { return 1 << (lanes_log2 + kv_split_log2); }
+};
+
+KVSPLIT_HOST_DEVICE constexpr DsplitGeometry make_dsplit_geometry(int head_dim, int elem_bytes,
+                                                                  int slices, int kv_split,
+                                                                  int64_t rows) {
+  return DsplitGeometry{exact_log2(dsplit_lanes(head_dim, elem_bytes, slices)),
+                        exact_log2(kv_split), exact_log2(slices), head_dim / slices,
+                        rows * slices};
 }
 
 }  // namespace kvsplit

@@ -21,20 +21,12 @@
 #include <cstdint>
 
 #include "kvsplit/device_common.cuh"
+#include "kvsplit/dispatch.h"
 #include "kvsplit/dsplit_geometry.h"
 #include "kvsplit/merge_math.h"
 #include "kvsplit/params.h"
 
 namespace kvsplit {
-
-
-struct DsplitGeometry {
-  int lanes_log2;     // threads per group = 16-byte vectors per slice
-  int kv_split_log2;  // groups per CTA
-  int slices_log2;    // CTAs per row
-  int slice_elems;    // head_dim / slices
-  int64_t items;      // rows * slices
-};
 
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
 template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
@@ -70,18 +62,9 @@ __device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int f
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, int64_t o_step, int64_t s_step,
                                                   float log2_scale) {
-#define KVSPLIT_FIRST_ROUND(N)                                                                    \
-  case N:                                                                                         \
-    if constexpr (N <= kDepth) {                                                                  \
-      merge_exact_batch<N, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale);           \
-    }                                                                                             \
-    break;
-  switch (first) {
-    KVSPLIT_FIRST_ROUND(1) KVSPLIT_FIRST_ROUND(2) KVSPLIT_FIRST_ROUND(3) KVSPLIT_FIRST_ROUND(4)
-    KVSPLIT_FIRST_ROUND(5) KVSPLIT_FIRST_ROUND(6) KVSPLIT_FIRST_ROUND(7) KVSPLIT_FIRST_ROUND(8)
-    default: break;
-  }
-#undef KVSPLIT_FIRST_ROUND
+  KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
+    merge_exact_batch<kCount, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale);
+  })
 }
 
 template <int kVec>
@@ -102,7 +85,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
   // [2 + kVec][warps][lanes] floats, sized at launch.
   extern __shared__ float parked[];
 
-  const int lanes = 1 << geo.lanes_log2;
+  const int lanes = geo.lanes();
   const int kv_split = 1 << geo.kv_split_log2;
   const int group = threadIdx.x >> geo.lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
@@ -165,25 +148,26 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
   }
 }
 
-// Launches after checking the geometry (throws naming the bad value).
+// Launches a checked DSplit config (check_config) on rows > 0.
 template <DType kPartial, DType kOut, StatsFormat kFormat>
-cudaError_t launch_dsplit_typed(const MergeParams& p, int head_dim, int slices, int kv_split,
-                                int depth, bool pdl, cudaStream_t stream) {
-  const int lanes = dsplit_lanes(head_dim, elem_bytes<kPartial>(), slices, kv_split, depth);
-  const int threads = lanes * kv_split;
-  if (p.rows == 0) return cudaSuccess;
+Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
+                           cudaStream_t stream) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
-  const DsplitGeometry geo{exact_log2(lanes), exact_log2(kv_split), exact_log2(slices),
-                           head_dim / slices, p.rows * slices};
-  const int warps = threads / 32;
+  const DsplitGeometry geo = make_dsplit_geometry(p.head_dim, elem_bytes<kPartial>(),
+                                                  config.slices, config.kv_split, p.rows);
+  const int lanes = geo.lanes();
+  const int warps = geo.threads() / 32;
   constexpr int64_t kGridCap = int64_t{1} << 30;
   PdlLaunch launch(static_cast<unsigned>(geo.items < kGridCap ? geo.items : kGridCap),
-                   static_cast<unsigned>(threads),
+                   static_cast<unsigned>(geo.threads()),
                    warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
-  if (depth == 8) {
-    return cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, 8>, p, geo);
-  }
-  return cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, 4>, p, geo);
+  Status status;
+  cudaError_t error = cudaSuccess;
+  KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
+    error = cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, kDepth>, p,
+                               geo);
+  })
+  return error != cudaSuccess ? fail(Error::kCuda, error) : status;
 }
 
 }  // namespace kvsplit

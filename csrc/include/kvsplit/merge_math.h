@@ -11,11 +11,7 @@
 
 #include <cmath>
 
-#if defined(__CUDACC__)
-#define KVSPLIT_HD __host__ __device__ __forceinline__
-#else
-#define KVSPLIT_HD inline
-#endif
+#include "kvsplit/host_device.h"
 
 namespace kvsplit {
 

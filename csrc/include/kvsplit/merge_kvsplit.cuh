@@ -1,11 +1,11 @@
-// The KvSplit merge kernel and its typed host launcher.
+// The KvSplit kernel family: the merge kernel and its typed host launcher.
 //
 // 512 threads per CTA, each owning 16 bytes of one output row. The threads
-// form kKvSplit groups; every group covers the same rows ("a slice") and runs
-// the online-softmax merge over partials g, g + K, g + 2K, ...; group 0 then
-// folds the other groups' states in through shared memory and stores. A
-// larger K means fewer rows per CTA, hence K times more CTAs and K times
-// shorter serial chains per thread.
+// form kKvSplit groups; every group covers the same rows ("a band" of rows)
+// and runs the online-softmax merge over partials g, g + K, g + 2K, ...;
+// group 0 then folds the other groups' states in through shared memory and
+// stores. A larger K means fewer rows per CTA, hence K times more CTAs and K
+// times shorter serial chains per thread.
 #pragma once
 
 #include <cstdint>
@@ -18,8 +18,8 @@
 
 namespace kvsplit {
 
-constexpr int kThreadsPerCta = 512;
-constexpr int kCtasPerSm = 2;
+constexpr int kThreadsPerCta = kKvSplitThreadsPerCta;
+constexpr int kCtasPerSm = kKvSplitCtasPerSm;
 
 // Knobs for benchmarks/lab, which compiles variants side by side; the
 // defaults are the product. Measured there on an H200 and dropped: a
@@ -41,17 +41,17 @@ constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
 // Whether one group of 512 / K threads, 16 bytes each, holds a whole row.
 template <int kHeadDim, DType kPartial, int kKvSplit>
 constexpr bool group_holds_row() {
-  return (kThreadsPerCta / kKvSplit) * kBytesPerThread >= kHeadDim * elem_bytes<kPartial>();
+  return kvsplit_rows_per_band(kHeadDim, elem_bytes(kPartial), kKvSplit) >= 1;
 }
 
 template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
 __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
-    merge_kernel(const MergeParams p, int64_t num_slices) {
+    merge_kernel(const MergeParams p, int64_t num_bands) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kGroupThreads = kThreadsPerCta / kKvSplit;
   constexpr int kThreadsPerRow = kHeadDim / kVec;
-  constexpr int kRowsPerSlice = kGroupThreads / kThreadsPerRow;
-  static_assert(kRowsPerSlice >= 1, "a group must hold a whole row");
+  constexpr int kRowsPerBand = kGroupThreads / kThreadsPerRow;
+  static_assert(kRowsPerBand >= 1, "a group must hold a whole row");
   // Groups 1..K-1 park (m, l) and acc[kVec] here for group 0; acc is stored
   // vector-element-major so that a warp's stores hit consecutive banks.
   using Partial = typename CudaType<kPartial>::type;
@@ -61,12 +61,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 
   const int group = threadIdx.x / kGroupThreads;
   const int lane = threadIdx.x % kGroupThreads;
-  const int row_in_slice = lane / kThreadsPerRow;
+  const int row_in_band = lane / kThreadsPerRow;
   const int col = (lane % kThreadsPerRow) * kVec;
 
   pdl_wait();
-  for (int64_t slice = blockIdx.x; slice < num_slices; slice += gridDim.x) {
-    const int64_t row = slice * kRowsPerSlice + row_in_slice;
+  for (int64_t band = blockIdx.x; band < num_bands; band += gridDim.x) {
+    const int64_t row = band * kRowsPerBand + row_in_band;
     const bool active = row < p.rows;
     MergeState<kVec> state;
     state.reset();
@@ -149,40 +149,40 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     }
 
     if (group == 0 && active) finalize_and_store<kVec, kOut, kFormat>(p, state, row, col);
-    // parked_* is reused by the next slice; most small calls have none.
-    if (kKvSplit > 1 && slice + gridDim.x < num_slices) __syncthreads();
+    // parked_* is reused by the next band; most small calls have none.
+    if (kKvSplit > 1 && band + gridDim.x < num_bands) __syncthreads();
   }
 }
 
 template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
-cudaError_t launch_merge_config(const MergeParams& p, int sm_count, bool pdl, cudaStream_t stream) {
-  if constexpr (!group_holds_row<kHeadDim, kPartial, kKvSplit>()) {
-    throw_unsupported("kv_split (a group of 512/kv_split threads must hold a whole row)", kKvSplit);
-  } else {
-    constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
-    constexpr int kRowsPerSlice = (kThreadsPerCta / kKvSplit) / (kHeadDim / kVec);
-    if (p.rows == 0) return cudaSuccess;
-    const int64_t num_slices = (p.rows + kRowsPerSlice - 1) / kRowsPerSlice;
-    const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
-    PdlLaunch launch(static_cast<unsigned>(num_slices < grid_cap ? num_slices : grid_cap),
-                     kThreadsPerCta, 0, stream, pdl);
-    return cudaLaunchKernelEx(&launch.config,
-                              merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>, p,
-                              num_slices);
-  }
+cudaError_t launch_kvsplit_config(const MergeParams& p, int sm_count, bool pdl, cudaStream_t stream) {
+  constexpr int kRowsPerBand = kvsplit_rows_per_band(kHeadDim, elem_bytes(kPartial), kKvSplit);
+  const int64_t num_bands = (p.rows + kRowsPerBand - 1) / kRowsPerBand;
+  const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
+  PdlLaunch launch(static_cast<unsigned>(num_bands < grid_cap ? num_bands : grid_cap),
+                   kThreadsPerCta, 0, stream, pdl);
+  return cudaLaunchKernelEx(&launch.config,
+                            merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>, p,
+                            num_bands);
 }
 
+// Launches a checked KvSplit config (check_config) on rows > 0.
 template <DType kPartial, DType kOut, StatsFormat kFormat>
-cudaError_t launch_merge_typed(const MergeParams& p, int head_dim, int kv_split, int sm_count,
-                               bool pdl, cudaStream_t stream) {
-  cudaError_t status = cudaErrorInvalidValue;
-  KVSPLIT_DISPATCH_HEAD_DIM(head_dim, kHeadDim, {
-    KVSPLIT_DISPATCH_KV_SPLIT(kv_split, kKvSplit, {
-      status = launch_merge_config<kHeadDim, kPartial, kOut, kFormat, kKvSplit>(p, sm_count, pdl,
-                                                                               stream);
+Status launch_kvsplit_typed(const MergeParams& p, const KernelConfig& config, int sm_count,
+                            bool pdl, cudaStream_t stream) {
+  Status status;
+  cudaError_t error = cudaSuccess;
+  KVSPLIT_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, status, {
+    KVSPLIT_DISPATCH_KVSPLIT_KV_SPLIT(config.kv_split, kKvSplit, status, {
+      if constexpr (group_holds_row<kHeadDim, kPartial, kKvSplit>()) {
+        error = launch_kvsplit_config<kHeadDim, kPartial, kOut, kFormat, kKvSplit>(p, sm_count,
+                                                                                  pdl, stream);
+      } else {
+        status = fail(Error::kGroupHoldsRow, kKvSplit);
+      }
     })
   })
-  return status;
+  return error != cudaSuccess ? fail(Error::kCuda, error) : status;
 }
 
 }  // namespace kvsplit

@@ -1,0 +1,117 @@
+"""Host time of one eager merge call, beside the raw binding launch and one aten op.
+
+Run:  python -P benchmarks/bench_host.py [--out DIR] [--device cpu|cuda]
+
+Microseconds per call, no synchronisation, cache hit (the layout's plan and
+the dispatcher's choice are made by the warm-up), ``out`` given:
+  merge_*(kv_split=None)   the public call;
+  merge_*(kv_split=K)      the same with a forced K;
+  raw binding              the launcher of the binding with a prepared
+                           parameter object and the addresses (the floor of
+                           any Python caller of these kernels);
+  empty kernel binding     (GPU) an empty kernel through the binding;
+  aten out.add_(0)         one aten op on the same ``out``.
+All variants are timed in turns, two rounds, the median of five samples in
+the better round. GPU shape: D=512 rows=64 N=16 bf16 maxsum; CPU shape
+(the CPU implementation): D=64 rows=1 N=1 bf16 lse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import torch
+
+import kvsplit
+from kvsplit import _native, merge
+from kvsplit.dispatch.dispatcher import dispatcher
+
+
+def variants(device: str):
+    g = torch.Generator().manual_seed(3)
+    ext = _native.ext()
+    if device == "cuda":
+        num_splits, rows, head_dim = 16, 64, 512
+        o = torch.randn(num_splits, rows, head_dim, generator=g).cuda().bfloat16()
+        stats = torch.stack([torch.randn(num_splits, rows, generator=g),
+                             1 + torch.rand(num_splits, rows, generator=g)], -1).cuda()
+        out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
+        call = lambda **kw: kvsplit.merge_maxsum(o, stats, 0.1, out=out, **kw)  # noqa: E731
+        name = "merge_maxsum"
+    else:
+        num_splits, rows, head_dim = 1, 1, 64
+        o = torch.randn(num_splits, rows, head_dim, generator=g).bfloat16()
+        stats = torch.randn(num_splits, rows, generator=g)
+        out = torch.empty(rows, head_dim, dtype=torch.bfloat16)
+        call = lambda **kw: kvsplit.merge_lse(o, stats, out=out, **kw)  # noqa: E731
+        name = "merge_lse"
+    call()
+    call(kv_split=1)
+    plan = next(p for p in dispatcher.plans.values() if p.kernel is not None)
+    launch = plan.kernel.native
+    addresses = (o.data_ptr(), stats.data_ptr(), 0, 0, out.data_ptr(), 0)
+    scale = plan.log2_scale or 0.1
+    table = {
+        f"{name}(kv_split=None)": lambda: call(),
+        f"{name}(kv_split=1)": lambda: call(kv_split=1),
+    }
+    if device == "cuda":
+        raw_stream = torch._C._cuda_getCurrentRawStream
+        table["raw binding"] = lambda: ext.merge_cuda(launch, *addresses, scale, raw_stream(0))
+        table["empty kernel binding"] = lambda: ext.launch_noop(1, raw_stream(0))
+    else:
+        table["raw binding"] = lambda: ext.merge_cpu(launch, *addresses, scale)
+    table["aten out.add_(0)"] = lambda: out.add_(0)
+    return table, f"D={head_dim} rows={rows} N={num_splits}"
+
+
+def measure(table: dict, device: str, calls: int = 20000) -> dict[str, float]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    result: dict[str, float] = {}
+    for _ in range(2):  # two rounds in turn: no variant pays the warm-up alone
+        for name, fn in table.items():
+            for _ in range(500):
+                fn()
+            sync()
+            samples = []
+            for _ in range(5):
+                begin = time.perf_counter()
+                for _ in range(calls // 5):
+                    fn()
+                samples.append((time.perf_counter() - begin) * 1e6 / (calls // 5))
+                sync()
+            result[name] = min(result.get(name, math.inf), sorted(samples)[2])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    table, shape = variants(args.device)
+    result = measure(table, args.device)
+    merge_name = next(iter(result))
+    print(f"host time per call ({args.device}, {shape}, no sync, cache hit, out given):")
+    for name, us in result.items():
+        print(f"  {name:34s} {us:6.2f} us")
+    over_raw = result[merge_name] - result["raw binding"]
+    over_add = result[merge_name] / result["aten out.add_(0)"]
+    print(f"  {merge_name} - raw binding = {over_raw:.2f} us; "
+          f"{merge_name} / add_ = {over_add:.2f}x")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"bench_host_{args.device}.json").write_text(json.dumps(
+            {"device": args.device, "shape": shape, "host_us": result,
+             "over_raw_us": over_raw, "over_add": over_add}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

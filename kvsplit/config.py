@@ -1,0 +1,211 @@
+"""The kernel config and the kernel layer's vocabulary, as the compiled module exports it.
+
+Every code (dtypes, stats formats, families), every legal parameter value and
+every family rule comes from ``kvsplit._ext``, which reads them off
+``csrc/include/kvsplit/config.h``; nothing here restates them. Importable
+without torch (the database layer uses it).
+
+:class:`KernelConfig` is the one config type of the project: the dispatcher
+chooses one, the tuner measures them, the database stores them (as
+``{"family": ..., "params": {...}}``) and the launcher turns one into the
+C++ ``KernelConfig`` of the same fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic_core import core_schema
+
+from . import _native
+
+_ext = _native.ext()
+
+#: Head dims with compiled kernels.
+HEAD_DIMS: tuple[int, ...] = tuple(_ext.HEAD_DIMS)
+#: dtype name (torch's, without ``torch.``) -> the kernel layer's code.
+DTYPE_CODES: dict[str, int] = dict(_ext.DTYPES)
+#: dtype name -> bytes per element.
+DTYPE_BYTES: dict[str, int] = dict(_ext.DTYPE_BYTES)
+#: stats format name -> code.
+STATS_FORMAT_CODES: dict[str, int] = dict(_ext.STATS_FORMATS)
+#: family name -> code.
+FAMILY_CODES: dict[str, int] = dict(_ext.FAMILIES)
+#: family name -> {parameter name -> legal values}.
+FAMILIES: dict[str, dict[str, tuple[int, ...]]] = {
+    family: {name: tuple(values) for name, values in params.items()}
+    for family, params in _ext.FAMILY_PARAMS.items()}
+#: Values of the C++ config fields that a family does not take as parameters.
+CONFIG_DEFAULTS: dict[str, int] = dict(_ext.CONFIG_DEFAULTS)
+#: The kernel layer's geometry constants (threads per CTA, lane limits, ...).
+LIMITS: dict[str, int] = dict(_ext.LIMITS)
+#: error code of :func:`check` -> the name of the broken rule.
+ERRORS: dict[int, str] = dict(_ext.ERRORS)
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+#: (partial dtype name, output dtype name) pairs that are compiled.
+DTYPE_PAIRS: tuple[tuple[str, str], ...] = tuple(
+    (_DTYPE_NAMES[a], _DTYPE_NAMES[b]) for a, b in _ext.DTYPE_PAIRS)
+
+BASELINE_FAMILY = "kvsplit"
+BASELINE_PARAMS: dict[str, int] = {"kv_split": 1}
+
+
+def build_hash(is_cuda: bool) -> str:
+    """The hash that keys stored tunings: of the CUDA kernels, or of the CPU implementation."""
+    if is_cuda:  # a build without CUDA kernels still names GPU keys (they can never match)
+        return _ext.cuda_build_hash or "no-cuda-kernels"
+    return _ext.cpu_build_hash
+
+
+def has_cuda_kernels() -> bool:
+    """Whether this build contains the CUDA kernels."""
+    return bool(_ext.cuda_build_hash)
+
+
+def check_params(family: str, params: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the problem unless ``params`` are exactly ``family``'s, each legal."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r} (known: {', '.join(sorted(FAMILIES))})")
+    allowed = FAMILIES[family]
+    missing = sorted(set(allowed) - set(params))
+    unknown = sorted(set(params) - set(allowed))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unknown:
+            parts.append(f"unknown {', '.join(unknown)}")
+        raise ValueError(f"family {family!r} takes parameters {sorted(allowed)}: {'; '.join(parts)}")
+    for name, value in params.items():
+        # bool is an int subclass; True as a K would be a silent K=1.
+        if isinstance(value, bool) or not isinstance(value, int) or value not in allowed[name]:
+            raise ValueError(f"{family}.{name}={value!r} is not one of {', '.join(map(str, allowed[name]))}")
+
+
+class KernelConfig:
+    """What the kernel runs: a family and its integer parameters, e.g. ``kvsplit(kv_split=4)``.
+
+    Immutable and hashable. ``slices``, ``kv_split`` and ``depth`` are the
+    fields of the C++ config (a family's missing parameters take
+    :data:`CONFIG_DEFAULTS`); ``params`` is what the database stores.
+    """
+
+    __slots__ = ("family", "slices", "kv_split", "depth", "family_code", "_params", "_hash")
+
+    def __init__(self, family: str = BASELINE_FAMILY, params: Mapping[str, int] | None = None):
+        params = {} if params is None else params
+        if not isinstance(params, Mapping):
+            raise ValueError(f"params must be a mapping of parameter names to ints, got {params!r}")
+        check_params(family, params)
+        fields = {**CONFIG_DEFAULTS, **params}
+        set_ = object.__setattr__
+        set_(self, "family", family)
+        set_(self, "family_code", FAMILY_CODES[family])
+        set_(self, "slices", fields["slices"])
+        set_(self, "kv_split", fields["kv_split"])
+        set_(self, "depth", fields["depth"])
+        set_(self, "_params", tuple(sorted(params.items())))
+        set_(self, "_hash", hash((family, self._params)))
+
+    @classmethod
+    def kvsplit(cls, kv_split: int) -> KernelConfig:
+        """The KvSplit family config with ``kv_split`` thread groups per row."""
+        return cls("kvsplit", {"kv_split": kv_split})
+
+    @classmethod
+    def dsplit(cls, slices: int, kv_split: int, depth: int = 4) -> KernelConfig:
+        """The DSplit family config: ``slices`` CTAs per row, ``kv_split`` groups, ``depth`` per round."""
+        return cls("dsplit", {"depth": depth, "kv_split": kv_split, "slices": slices})
+
+    @property
+    def params(self) -> dict[str, int]:
+        """The family's parameters (a fresh dict)."""
+        return dict(self._params)
+
+    @property
+    def label(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self._params)
+        return f"{self.family}({inner})"
+
+    def native(self):
+        """The C++ ``KernelConfig`` of the binding."""
+        return _ext.KernelConfig(self.family_code, self.slices, self.kv_split, self.depth)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("KernelConfig is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KernelConfig):
+            return NotImplemented
+        return self.family == other.family and self._params == other._params
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"KernelConfig({self.label})"
+
+    def __reduce__(self):
+        return (KernelConfig, (self.family, dict(self._params)))
+
+    # -- pydantic: validated from and serialized as {"family": ..., "params": {...}} --------
+    @classmethod
+    def _parse(cls, value: Any) -> KernelConfig:
+        if isinstance(value, KernelConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a kernel config is an object {{family, params}}, got {value!r}")
+        extra = sorted(set(value) - {"family", "params"})
+        if extra:
+            raise ValueError(f"a kernel config has only family and params, got {', '.join(extra)}")
+        if "params" not in value:
+            raise ValueError("a kernel config needs params")
+        family = value.get("family", BASELINE_FAMILY)
+        if not isinstance(family, str):
+            raise ValueError(f"family must be a string, got {family!r}")
+        return cls(family, value["params"])
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        return core_schema.no_info_plain_validator_function(
+            cls._parse,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda c: {"family": c.family, "params": c.params}))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        return {"type": "object", "properties": {"family": {"type": "string"},
+                                                 "params": {"type": "object"}},
+                "required": ["params"]}
+
+
+BASELINE = KernelConfig(BASELINE_FAMILY, BASELINE_PARAMS)
+
+
+def check(config: KernelConfig, head_dim: int, elem_bytes: int) -> str | None:
+    """The name of the kernel-layer rule that ``config`` breaks on rows of ``head_dim``
+    partials of ``elem_bytes`` bytes, or None."""
+    error = _ext.check_config(config.family_code, config.slices, config.kv_split, config.depth,
+                              head_dim, elem_bytes)
+    return ERRORS[error] if error else None
+
+
+def kvsplit_rows_per_band(head_dim: int, elem_bytes: int, kv_split: int) -> int:
+    """Rows one KvSplit CTA covers per band of rows (0: a group cannot hold a row)."""
+    return _ext.kvsplit_rows_per_band(head_dim, elem_bytes, kv_split)
+
+
+def legal_configs(head_dim: int, elem_bytes: int, families: tuple[str, ...] = tuple(FAMILIES)):
+    """Every config of ``families`` that the kernel layer can run at ``head_dim``/``elem_bytes``."""
+    configs = []
+    for family in families:
+        names = [name for name in CONFIG_DEFAULTS if name in FAMILIES[family]]  # field order
+        grids: list[dict[str, int]] = [{}]
+        for name in names:
+            grids = [{**g, name: v} for g in grids for v in FAMILIES[family][name]]
+        for params in grids:
+            config = KernelConfig(family, params)
+            if check(config, head_dim, elem_bytes) is None:
+                configs.append(config)
+    return configs

@@ -13,6 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..clikit import DatabaseProblem, db_option
+from ..clikit import db_url as given_db_url
+
 _OUT_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "bfloat16"}
 
 
@@ -23,6 +26,18 @@ def _ints(ctx, param, value: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not numbers or min(numbers) < 1:
         raise click.BadParameter("expected positive integers")
+    return numbers
+
+
+def _head_dims(ctx, param, value: str) -> list[int]:
+    from ..installed import head_dims
+
+    numbers = _ints(ctx, param, value)
+    supported = head_dims()
+    bad = [d for d in numbers if d not in supported]
+    if bad:
+        raise click.BadParameter(f"head dim {', '.join(map(str, bad))} is not supported by the installed "
+                                 f"kernels; use {', '.join(map(str, supported))}")
     return numbers
 
 
@@ -60,13 +75,15 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     """Tune ``keys`` (JSON) on ``device``, storing each result; report each outcome."""
     import torch
 
-    from ..db import TuningKey, open_store
+    from ..db import StoreError, TuningKey, open_store
     from ..dispatch.constraints import configs_for_key
     from ..dispatch.device import device_facts
     from ..dispatch.keys import device_info
     from .tuner import tune
 
-    store = open_store(db_url)
+    # A stored row that does not parse counts as not stored: the key is tuned
+    # again and the new row replaces it (with a warning naming the row).
+    store = open_store(db_url, on_damage="warn")
     target = torch.device(device)
     here = device_info(device_facts(target))
     for raw in keys:
@@ -82,17 +99,22 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
                           l2_state=l2)
             store.upsert(record)
             report(("tuned", raw, record.model_dump_json()))
+        except StoreError:
+            raise  # the database, not the key: the whole run stops with exit 3
         except Exception as error:  # one failed key must not stop the grid
             report(("failed", raw, f"{type(error).__name__}: {error}"))
 
 
 def _worker_main(device, keys, db_url, l2, force, queue) -> None:
-    _work(device, keys, db_url, l2, force, queue.put)
+    try:
+        _work(device, keys, db_url, l2, force, queue.put)
+    except Exception as error:  # noqa: BLE001 - the parent reports it; no traceback from a child
+        queue.put(("stopped", None, str(error)))
 
 
 @click.command()
-@click.option("--head-dim", "head_dims", default="512,128", show_default=True, callback=_ints,
-              help="Head dims, comma-separated.")
+@click.option("--head-dim", "head_dims", default="512,128", show_default=True, callback=_head_dims,
+              help="Head dims, comma-separated, each one the installed kernels support.")
 @click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
               callback=_words(("bfloat16", "float16", "float32")),
               help="Partial dtypes (float32 partials produce bfloat16).")
@@ -105,9 +127,10 @@ def _worker_main(device, keys, db_url, l2, force, queue) -> None:
 @click.option("--devices", default=None, help="cpu, all, or CUDA indices like 0,1 (one worker each) [default: cuda:0, else cpu].")
 @click.option("--l2", type=click.Choice(["warm", "cold"]), default="warm", show_default=True,
               help="L2 state while timing.")
-@click.option("--db", "db_url", envvar="KVSPLIT_DB", help="SQLAlchemy URL [env KVSPLIT_DB; default: SQLite in the user cache].")
+@db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, l2, db_url,
+@click.pass_context
+def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devices, l2,
          as_json) -> None:
     """Profile the candidate kernel configs for a grid of shapes and store the winners.
 
@@ -115,20 +138,26 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
 
     Rows and num_splits are bucketed as the dispatcher does, so the grid fills
     exactly the keys that calls will look up. Resumable: keys already stored
-    are skipped unless --force. Exits 1 if any key failed.
+    are skipped unless --force; a stored row that does not parse is tuned
+    again (with a warning). Exits 1 if any key failed, 3 on a database problem.
     """
+    import warnings
+
     from ..config import build_hash
-    from ..db import StoreError, open_store
+    from ..db import DbWarning, open_store
+    from ..db.errors import REPAIR_HINT
     from ..dispatch import pending as pending_keys
     from ..dispatch.device import device_facts
     from ..dispatch.keys import tuning_key
 
     console = Console(stderr=True)
     targets = _devices(devices)
-    try:
-        open_store(db_url).close()  # fail fast, with the store's message, on a bad URL
-    except StoreError as error:
-        raise click.ClickException(str(error)) from None
+    db_url = given_db_url(ctx)
+    with open_store(db_url) as store:  # fail fast, with the store's message, on a bad database
+        damage = store.damage()
+    if damage:
+        warnings.warn(f"{store.url}: {len(damage)} rows do not parse; tuning goes on and re-tunes any "
+                      f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
     work: dict[str, list[str]] = {str(d): [] for d in targets}
     if pending:
         # Each pending key goes to a target of its own device model (others are skipped).
@@ -173,7 +202,12 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
             for proc in procs:
                 proc.start()
             for _ in range(len(keys)):
-                report(queue.get())
+                outcome = queue.get()
+                if outcome[0] == "stopped":  # a worker met a database problem or crashed
+                    for proc in procs:
+                        proc.terminate()
+                    raise DatabaseProblem(outcome[2])
+                report(outcome)
             for proc in procs:
                 proc.join()
     elapsed = time.perf_counter() - started
@@ -183,6 +217,14 @@ def tune(head_dims, dtypes, formats, num_splits, rows, pending, force, devices, 
     _summarize(outcomes, elapsed, as_json, console)
     if any(o[0] == "failed" for o in outcomes):
         raise SystemExit(1)
+
+
+def _key_text(key: dict) -> str:
+    """A failed key for people: shape first, then the device."""
+    device = key.get("device", {})
+    return (f"D={key.get('head_dim')} {key.get('partial_dtype')}->{key.get('out_dtype')} "
+            f"{key.get('stats_format')} num_splits={key.get('num_splits')} rows={key.get('rows')} "
+            f"on {device.get('name', '?')}")
 
 
 def _summarize(outcomes, elapsed: float, as_json: bool, console: Console) -> None:
@@ -205,9 +247,12 @@ def _summarize(outcomes, elapsed: float, as_json: bool, console: Console) -> Non
         return
     table = Table(title="kvsplit tune", show_header=False)
     for name in ("keys", "tuned", "skipped", "failed", "seconds", "ms_per_tuned_key"):
-        table.add_row(name, str(summary[name]))
+        value = summary[name]
+        table.add_row(name, "-" if value is None else str(value))
     table.add_row("winners", ", ".join(f"{w}: {n}" for w, n in sorted(winners.items())) or "-")
     table.add_row("speed-up over K=1 (geomean)", f"{geomean:.2f}x" if geomean else "-")
     Console().print(table)
     for failure in summary["failures"]:
-        console.print(f"[red]failed[/red] {failure['key']}: {failure['error']}")
+        # One line per key, unwrapped, the error as it is (no markup in it).
+        console.print(f"[red]failed[/red] {_key_text(failure['key'])}: ", end="", soft_wrap=True)
+        console.print(failure["error"], markup=False, highlight=False, soft_wrap=True)

@@ -6,10 +6,12 @@ constraints decide what is valid: both families on a GPU, KvSplit on the
 CPU, whose slices are a GPU matter); :func:`prune`
 drops the ones that measurements on an H200 never saw win before anything is
 timed. Every candidate's output is compared with KvSplit K = 1; a mismatch
-disqualifies it (and is logged). Times come from CUDA-graph replay on GPUs
-and from a host clock on the CPU. The winner is the fastest median, except
-that a simpler config (fewer groups per row) within ``noise_margin`` of it
-wins instead.
+disqualifies it (and is logged). A candidate that raises (a launch failure)
+is recorded as failed (0 samples) and scores inf; the search goes on, and
+only a key with no working candidate at all raises :class:`NoWorkingCandidate`.
+Times come from CUDA-graph replay on GPUs and from a host clock on the CPU.
+The winner is the fastest median, except that a simpler config (fewer groups
+per row) within ``noise_margin`` of it wins instead.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 Candidate = KernelConfig  # what the tuner tries: a kernel family and its parameters
+
+
+class NoWorkingCandidate(RuntimeError):
+    """Every candidate config of a key raised or disagreed with K = 1: nothing to record."""
 
 
 # Pruning, from a sweep of every config over the benchmark grid on an H200
@@ -132,11 +138,46 @@ def pick_winner(timings: dict[Candidate, Timing], noise_margin: float) -> Candid
                key=simplicity)
 
 
+def _measure(configs: list[Candidate], scratch: _Scratch, plans: dict, key, *, is_cuda: bool,
+             batch: int, replays: int) -> dict[Candidate, Timing]:
+    """Timings of the configs that time without raising (the others are left out, and logged)."""
+    if is_cuda:  # all candidates replayed in turns: drift touches them alike
+        try:
+            return time_cuda_graphs({c: (lambda i, p=plans[c]: scratch.run(p, i)) for c in configs},
+                                    batch=batch, replays=replays)
+        except Exception:  # noqa: BLE001 - find the one that raised: time each alone
+            log.debug("kvsplit: timing the candidates together raised; timing each alone")
+    measured = {}
+    for c in configs:
+        try:
+            if is_cuda:
+                measured[c] = time_cuda_graphs({c: lambda i, p=plans[c]: scratch.run(p, i)},
+                                               batch=batch, replays=replays)[c]
+            else:
+                measured[c] = time_host(lambda i, p=plans[c]: scratch.run(p, i), batch=2,
+                                        replays=replays)
+        except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
+            log.warning("kvsplit: %s raised while timed for %s (%s: %s); recorded as failed",
+                        c.label, key.choice_key, type(error).__name__, error)
+    return measured
+
+
+def _failed(candidate: Candidate) -> CandidateResult:
+    return CandidateResult(config=candidate, median_us=0.0, p10_us=0.0, p90_us=0.0, samples=0,
+                           matched=False)
+
+
 def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: str = "warm",
          noise_margin: float = NOISE_MARGIN, batch: int = 12, replays: int = 11,
          pruned: bool = True) -> TuningRecord:
     """Profile ``configs`` (pruned on GPUs unless ``pruned=False``) for ``key`` on ``device``;
-    return the record (not stored). KvSplit K = 1, the reference, is always timed."""
+    return the record (not stored). KvSplit K = 1, the reference, is always timed.
+
+    Raises
+    ------
+    NoWorkingCandidate
+        K = 1 (the reference) raised, or no candidate could be timed.
+    """
     is_cuda = device.type == "cuda"
     configs = prune(configs, key) if pruned and is_cuda else list(configs)
     if BASELINE not in configs:
@@ -149,32 +190,43 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
         batch = max(2, min(batch, round(_REPLAY_US / launch_us)))
     with torch.cuda.device(device) if is_cuda else contextlib.nullcontext():
         scratch = _Scratch(key, device, copies)
-        plans = {c: scratch.plan(c) for c in configs}
-        reference = scratch.run(plans[BASELINE]).float().clone()
+        try:
+            reference = scratch.run(scratch.plan(BASELINE)).float().clone()
+        except Exception as error:  # noqa: BLE001 - reported to the caller as one clear error
+            raise NoWorkingCandidate(f"no candidate config works for {key.choice_key}: kv_split=1, "
+                                     f"the reference, raised {type(error).__name__}: {error}") from error
         timings: dict[Candidate, Timing] = {}
         results = []
         matched = {}
+        plans = {}
         for candidate in configs:
-            got = scratch.run(plans[candidate]).float()
+            try:
+                plans[candidate] = scratch.plan(candidate)
+                got = scratch.run(plans[candidate]).float()
+            except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
+                log.warning("kvsplit: %s raised for %s (%s: %s); recorded as failed",
+                            candidate.label, key.choice_key, type(error).__name__, error)
+                continue
             error = ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
             matched[candidate] = math.isfinite(error) and error <= _MATCH_TOLERANCE
             if not matched[candidate]:
                 log.warning("kvsplit: %s disagrees with kv_split=1 for %s (relative error %.3g); "
                             "disqualified", candidate.label, key.choice_key, error)
-        if is_cuda:  # all candidates replayed in turns: drift touches them alike
-            measured = time_cuda_graphs(
-                {c: (lambda i, p=plans[c]: scratch.run(p, i)) for c in configs},
-                batch=max(batch, copies), replays=replays)
-        else:
-            measured = {c: time_host(lambda i, p=plans[c]: scratch.run(p, i), batch=2,
-                                     replays=replays) for c in configs}
+        measured = _measure([c for c in configs if c in matched], scratch, plans, key,
+                            is_cuda=is_cuda, batch=max(batch, copies), replays=replays)
         for candidate in configs:
-            timing = measured[candidate]
+            timing = measured.get(candidate)
+            if timing is None:  # raised: recorded as failed; it scores inf, so it never wins
+                results.append(_failed(candidate))
+                continue
             if matched[candidate]:
                 timings[candidate] = timing
             results.append(CandidateResult(config=candidate, median_us=timing.median_us,
                                            p10_us=timing.p10_us, p90_us=timing.p90_us,
                                            samples=timing.samples, matched=matched[candidate]))
+    if not timings:
+        raise NoWorkingCandidate(f"no candidate config works for {key.choice_key}: every one raised "
+                                 f"or disagreed with kv_split=1")
     winner = pick_winner(timings, noise_margin)
     return TuningRecord(key=key, winner=winner,
                         policy=TuningPolicy(l2_state=l2_state, repeats=replays,

@@ -13,9 +13,10 @@ Typical use::
 
 from ..config import FAMILIES, KernelConfig
 from ..config import check_params as check_config
-from .connect import open_store, open_store_for_library
+from .connect import open_store, open_store_for_library, open_store_for_repair
+from .decode import Damage
 from .engine import DEFAULT_TIMEOUT_S, ENV_VAR, default_url, resolve_url
-from .errors import DbWarning, InvalidExportError, SchemaTooNew, StoreError
+from .errors import DamagedRows, DbWarning, InvalidExportError, NoDatabase, SchemaDamaged, SchemaTooNew, StoreError
 from .migrate import head_revision
 from .schemas import (
     BASELINE,
@@ -26,7 +27,9 @@ from .schemas import (
     DeviceStats,
     ExportFile,
     ImportSummary,
+    KernelBuildInfo,
     PruneResult,
+    RepairResult,
     StoreStats,
     TuningKey,
     TuningPolicy,
@@ -43,14 +46,20 @@ __all__ = [
     "BuildStats",
     "CandidateResult",
     "ChoiceKey",
+    "Damage",
+    "DamagedRows",
     "DbWarning",
     "DeviceInfo",
     "DeviceStats",
     "ExportFile",
     "ImportSummary",
     "InvalidExportError",
+    "KernelBuildInfo",
+    "NoDatabase",
     "KernelConfig",
     "PruneResult",
+    "RepairResult",
+    "SchemaDamaged",
     "SchemaTooNew",
     "Store",
     "StoreError",
@@ -65,6 +74,7 @@ __all__ = [
     "make_export",
     "open_store",
     "open_store_for_library",
+    "open_store_for_repair",
     "parse_export",
     "read_export",
     "resolve_url",

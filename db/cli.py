@@ -1,4 +1,4 @@
-"""``kvsplit db``: inspect, share and clean the tuning database.
+"""``kvsplit db``: inspect, share, clean and repair the tuning database.
 
 The lead attaches :data:`db` to the main group with ``main.add_command(db)``.
 """
@@ -6,54 +6,29 @@ The lead attaches :data:`db` to the main group with ``main.add_command(db)``.
 from __future__ import annotations
 
 import re
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import click
 
-from .connect import open_store
-from .errors import DbWarning, InvalidExportError, StoreError
-from .render import console, records_table, show_import, show_prune, show_record, show_stats, to_json
+from ..clikit import EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option, db_url
+from .connect import open_store, open_store_for_repair
+from .errors import InvalidExportError
+from .render import (
+    console,
+    records_table,
+    show_import,
+    show_prune,
+    show_record,
+    show_repair,
+    show_stats,
+    to_json,
+)
 from .store import Store
-from .transfer import dump_export
+from .transfer import dump_export, parse_export
 
-EXIT_NOT_FOUND = 1
-EXIT_INVALID = 2
-EXIT_DATABASE = 3
-
-
-class InvalidInput(click.ClickException):
-    """Bad input that click itself did not catch: exit 2, like a usage error."""
-
-    exit_code = EXIT_INVALID
-
-
-class DatabaseProblem(click.ClickException):
-    exit_code = EXIT_DATABASE
-
-
-class NotFound(click.ClickException):
-    exit_code = EXIT_NOT_FOUND
-
-
-class _DbGroup(click.Group):
-    """Turns the layer's exceptions into one-line messages and exit codes; prints warnings plainly."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", DbWarning)
-            try:
-                return super().invoke(ctx)
-            except StoreError as exc:
-                raise DatabaseProblem(str(exc)) from None
-            except InvalidExportError as exc:
-                lines = "\n".join(f"  {p}" for p in exc.problems)
-                raise InvalidInput(f"invalid tuning export, nothing was written:\n{lines}") from None
-            finally:
-                for w in caught:
-                    click.echo(f"warning: {w.message}", err=True)
+__all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -74,10 +49,25 @@ class Duration(click.ParamType):
         return timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
 
 
-def _open(ctx: click.Context) -> Store:
-    store = open_store(ctx.obj["url"])
+def _open(ctx: click.Context, *, create: bool = False) -> Store:
+    """The database, strictly: it must exist (unless ``create``) and every row must parse."""
+    store = open_store(db_url(ctx), create=create)
     ctx.call_on_close(store.close)
+    store.check()
     return store
+
+
+def _bucketed(filters: dict[str, Any]) -> dict[str, Any]:
+    """--rows / --num-splits match the stored value and the bucket a call of that size looks up."""
+    if filters.get("rows") is None and filters.get("num_splits") is None:
+        return filters
+    from ..dispatch.keys import bucket, bucket_num_splits  # imports torch: only when asked
+
+    out = dict(filters)
+    for name, to_bucket in (("rows", bucket), ("num_splits", bucket_num_splits)):
+        if out.get(name) is not None:
+            out[name] = sorted({out[name], to_bucket(out[name])})
+    return out
 
 
 def _filters(function: Any) -> Any:
@@ -89,40 +79,46 @@ def _filters(function: Any) -> Any:
         click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Dtype of the partials."),
         click.option("--out-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Output dtype."),
         click.option("--stats-format", type=click.Choice(["maxsum", "lse"])),
-        click.option("--num-splits", type=int, help="Number of partials N."),
-        click.option("--rows", type=int, help="Number of output rows."),
+        click.option(
+            "--num-splits", type=click.IntRange(min=1), help="Number of partials N (also finds its bucket's key)."
+        ),
+        click.option("--rows", type=click.IntRange(min=1), help="Number of output rows (also finds its bucket's key)."),
     ]
     for option in reversed(options):
         function = option(function)
-    return function
+    return db_option(function)
+
+
+def _installed_builds() -> tuple[str, ...]:
+    from ..installed import build_hashes
+
+    return build_hashes()
 
 
 def _json_flag(function: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help="Print stable JSON for programs.")(function)
 
 
-@click.group(cls=_DbGroup)
-@click.option(
-    "--db",
-    "url",
-    envvar="KVSPLIT_DB",
-    metavar="URL",
-    help="SQLAlchemy URL or SQLite file path [env KVSPLIT_DB; default: tuning.sqlite in the user cache dir].",
-)
-@click.pass_context
-def db(ctx: click.Context, url: str | None) -> None:
-    """Inspect, share and clean the tuning database.
+@click.group(cls=MappedErrors)
+@db_option
+def db() -> None:
+    """Inspect, share, clean and repair the tuning database.
+
+    --db goes before or after the subcommand. Only import creates a
+    database: the others, given a path that does not exist, say so (exit 3).
+    Every command but repair refuses a database with rows that do not parse
+    (exit 3) and says to run `kvsplit db repair`, which moves them to a
+    quarantine file.
 
     \b
     Exit codes:
       0  success
-      1  nothing matched (show)
+      1  nothing matched (show, plot)
       2  usage error or invalid input (bad option, invalid import file)
-      3  database problem (bad URL, unreachable server, corrupt or
-         read-only file, locked, schema newer than this kvsplit)
+      3  database problem (bad URL, driver not installed, unreachable
+         server, missing, corrupt or read-only file, locked, damaged rows
+         or version table, schema newer than this kvsplit)
     """
-    ctx.ensure_object(dict)
-    ctx.obj["url"] = url
 
 
 @db.command("list")
@@ -131,7 +127,7 @@ def db(ctx: click.Context, url: str | None) -> None:
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool, **filters: Any) -> None:
     """List tuning results (winner and speed-up over kv_split=1)."""
-    records = _open(ctx).query(**filters)
+    records = _open(ctx).query(**_bucketed(filters))
     if as_json:
         click.echo(to_json(records))
     else:
@@ -144,7 +140,7 @@ def list_(ctx: click.Context, as_json: bool, **filters: Any) -> None:
 @click.pass_context
 def show(ctx: click.Context, as_json: bool, **filters: Any) -> None:
     """Show one tuning result with every candidate; the filters must pick exactly one."""
-    records = _open(ctx).query(**filters)
+    records = _open(ctx).query(**_bucketed(filters))
     if not records:
         raise NotFound("no tuning result matches")
     if len(records) > 1:
@@ -161,14 +157,19 @@ def show(ctx: click.Context, as_json: bool, **filters: Any) -> None:
 @db.command()
 @click.option("--current-build", metavar="HASH", help="Builds other than this are stale [default: all but the newest].")
 @_json_flag
+@db_option
 @click.pass_context
 def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
-    """Keys per device, mean speed-up over kv_split=1, oldest/newest, stale builds."""
+    """Keys per device, mean speed-up over kv_split=1, oldest/newest, stale builds.
+
+    The builds table also marks the installed builds (CUDA and CPU), the ones that
+    `kvsplit db prune --stale-builds` keeps by default.
+    """
     result = _open(ctx).stats(current_build)
     if as_json:
         click.echo(to_json(result))
     else:
-        show_stats(console(), result)
+        show_stats(console(), result, installed=_installed_builds())
 
 
 @db.command("export")
@@ -179,7 +180,7 @@ def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
 @click.pass_context
 def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
     """Export tuning results as JSON (format kvsplit-tuning, version 1)."""
-    export = _open(ctx).export_records(**filters)
+    export = _open(ctx).export_records(**_bucketed(filters))
     text = dump_export(export)
     if out_path is None:
         click.echo(text, nl=False)
@@ -205,6 +206,7 @@ def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
 @click.option("--keep", is_flag=True, help="Same as --rule keep.")
 @click.option("--dry-run", is_flag=True, help="Validate and count; write nothing.")
 @_json_flag
+@db_option
 @click.pass_context
 def import_(
     ctx: click.Context, file: BinaryIO, rule: str, replace: bool, keep: bool, dry_run: bool, as_json: bool
@@ -212,7 +214,8 @@ def import_(
     """Merge a JSON export (FILE, or - for stdin) into the database, all or nothing.
 
     The whole file is validated first; any problem (unknown field, unknown
-    config, bad times, missing key) is listed and nothing is written.
+    config, bad times, missing key, a head dim the installed kernels do not
+    support) is listed and nothing is written. Creates the database if needed.
     """
     if replace and keep:
         raise click.UsageError("--replace and --keep exclude each other")
@@ -222,7 +225,19 @@ def import_(
         source = file.read()
     except OSError as exc:
         raise InvalidInput(f"cannot read {file.name}: {exc.strerror or exc}") from None
-    summary = _open(ctx).import_records(source, rule=rule, dry_run=dry_run)
+    export = parse_export(source)
+    from ..installed import head_dims
+
+    supported = head_dims()
+    unsupported = [
+        f"record {i}: key.head_dim: {r.key.head_dim} is not supported by the installed kernels "
+        f"(use one of {', '.join(map(str, supported))})"
+        for i, r in enumerate(export.records)
+        if r.key.head_dim not in supported
+    ]
+    if unsupported:
+        raise InvalidExportError(unsupported)
+    summary = _open(ctx, create=True).import_records(export, rule=rule, dry_run=dry_run)
     if as_json:
         click.echo(to_json(summary))
     else:
@@ -234,7 +249,7 @@ def import_(
 @click.option(
     "--current-build",
     metavar="HASH",
-    help="With --stale-builds: builds other than this are stale [default: all but the newest].",
+    help="With --stale-builds: builds other than this are stale [default: the installed builds, CUDA and CPU].",
 )
 @click.option(
     "--other-devices-than",
@@ -244,6 +259,7 @@ def import_(
 @click.option("--older-than", type=Duration(), help="Delete results last updated longer ago than this (30d, 12h, 2w).")
 @click.option("--dry-run", is_flag=True, help="Only show what would be deleted.")
 @_json_flag
+@db_option
 @click.pass_context
 def prune(
     ctx: click.Context,
@@ -254,15 +270,19 @@ def prune(
     dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Delete results matching ANY of the criteria given."""
+    """Delete results matching ANY of the criteria given.
+
+    Rows that do not parse are not pruning's business: see `kvsplit db repair`.
+    """
     if not (stale_builds or other_devices_than or older_than is not None):
         raise click.UsageError("give at least one of --stale-builds, --other-devices-than, --older-than")
     if current_build and not stale_builds:
         raise click.UsageError("--current-build only applies with --stale-builds")
     try:
-        result = _open(ctx).prune(
+        store = _open(ctx)
+        result = store.prune(
             stale_builds=stale_builds,
-            current_build=current_build,
+            current_build=current_build if current_build is not None else _installed_builds(),
             other_devices_than=other_devices_than,
             older_than=older_than,
             dry_run=dry_run,
@@ -284,6 +304,46 @@ def prune(
 
 
 @db.command()
+@click.option(
+    "--quarantine",
+    "quarantine_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON-lines file the removed rows are appended to "
+    "[default: DB.quarantine.jsonl beside an SQLite file, else quarantine.jsonl in the user cache dir].",
+)
+@click.option("--dry-run", is_flag=True, help="Only list what would be moved; change nothing.")
+@_json_flag
+@db_option
+@click.pass_context
+def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_json: bool) -> None:
+    """Move rows that do not parse to a quarantine file; restore a damaged version table.
+
+    A row does not parse when a column holds the wrong type, a value out of
+    range, bad JSON, a bad timestamp or an unknown kernel config. Such rows go,
+    with every stored value, to the quarantine file, together with the rows
+    that cannot stand without them (results of a damaged device or build,
+    candidates of a removed result); every other row stays. A missing, empty
+    or duplicated version table is stamped again when the tables are those of
+    this kvsplit's schema, and missing tables are created. Never creates a
+    database; a newer schema is left alone (exit 3).
+    """
+    store, schema_repairs = open_store_for_repair(db_url(ctx), dry_run=dry_run)
+    ctx.call_on_close(store.close)
+    try:
+        result = store.repair(quarantine_path, dry_run=dry_run)
+    except OSError as exc:
+        where = quarantine_path or "the quarantine file"
+        raise InvalidInput(
+            f"cannot write {where}: {exc.strerror or exc}; nothing was removed (give another path with --quarantine)"
+        ) from None
+    result = result.model_copy(update={"schema_repairs": schema_repairs})
+    if as_json:
+        click.echo(to_json(result))
+    else:
+        show_repair(console(), result)
+
+
+@db.command()
 @_filters
 @click.option(
     "--out",
@@ -302,7 +362,7 @@ def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
     """
     from .plot import MAX_GROUPS, plot_records
 
-    records = _open(ctx).query(**filters)
+    records = _open(ctx).query(**_bucketed(filters))
     if not records:
         raise NotFound("no tuning result matches; nothing to plot")
     try:

@@ -1,4 +1,4 @@
-"""Opening a store: the command line's strict way and the library's forgiving way."""
+"""Opening a store: the command line's strict way, the library's forgiving way, and repair's way."""
 
 from __future__ import annotations
 
@@ -7,27 +7,42 @@ import warnings
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from .engine import DEFAULT_TIMEOUT_S, create_db_engine, describe_error, display_url, resolve_url
-from .errors import DbWarning, StoreError
-from .migrate import ensure_schema, head_revision
-from .store import Store, memory_engine
+from .engine import DEFAULT_TIMEOUT_S, create_db_engine, describe_error, display_url, resolve_url, sqlite_file
+from .errors import DbWarning, NoDatabase, StoreError
+from .migrate import ensure_schema, head_revision, restore_schema
+from .store import OnDamage, Store, memory_engine
 
 
-def _ready_engine(url: str | None, timeout_s: float) -> Engine:
-    # An engine whose database is at the head revision, or StoreError.
+def _engine(url: str | None, timeout_s: float, *, create: bool) -> Engine:
     resolved = resolve_url(url)
-    engine = create_db_engine(resolved, timeout_s=timeout_s)
+    path = sqlite_file(resolved)
+    if not create and path is not None and not path.exists():
+        raise NoDatabase(
+            f"{display_url(resolved)}: no such database file; check the path given with --db / KVSPLIT_DB "
+            f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db import` do)"
+        )
+    return create_db_engine(resolved, timeout_s=timeout_s)
+
+
+def _guarded(engine: Engine, timeout_s: float, step) -> object:  # noqa: ANN001
+    # Runs a schema step; database failures become StoreError with the store's message.
     try:
-        upgraded_from = ensure_schema(engine)
+        return step()
     except StoreError:
         engine.dispose()
         raise
     except (SQLAlchemyError, OSError) as exc:
         engine.dispose()
-        raise StoreError(describe_error(exc, resolved, timeout_s)) from exc
+        raise StoreError(describe_error(exc, str(engine.url), timeout_s)) from exc
+
+
+def _ready_engine(url: str | None, timeout_s: float, *, create: bool = True) -> Engine:
+    # An engine whose database is at the head revision, or StoreError.
+    engine = _engine(url, timeout_s, create=create)
+    upgraded_from = _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=create))
     if upgraded_from is not None:
         warnings.warn(
-            f"kvsplit upgraded the tuning database {display_url(resolved)} from schema "
+            f"kvsplit upgraded the tuning database {display_url(str(engine.url))} from schema "
             f"revision {upgraded_from} to {head_revision()}",
             DbWarning,
             stacklevel=3,
@@ -35,7 +50,13 @@ def _ready_engine(url: str | None, timeout_s: float) -> Engine:
     return engine
 
 
-def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Store:
+def open_store(
+    url: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    create: bool = True,
+    on_damage: OnDamage = "raise",
+) -> Store:
     """Open the tuning database, creating or upgrading its schema.
 
     Parameters
@@ -45,6 +66,12 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) 
         ``tuning.sqlite`` in the user cache directory.
     timeout_s : float
         How long to wait for another process's lock, in seconds.
+    create : bool
+        If false, a missing SQLite file or a database without kvsplit tables
+        is a :class:`StoreError` instead of being created (commands that only read).
+    on_damage : {"raise", "warn"}
+        What a read that meets rows that do not parse does: raise
+        :class:`DamagedRows`, or skip them with one :class:`DbWarning`.
 
     Returns
     -------
@@ -55,19 +82,21 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) 
     Raises
     ------
     StoreError
-        Bad URL, unreachable server, corrupt or unreadable file, read-only or
-        locked database; :class:`SchemaTooNew` for a newer schema.
+        Bad URL, missing driver, unreachable server, corrupt or unreadable
+        file, read-only or locked database, damaged version table
+        (:class:`SchemaDamaged`); :class:`SchemaTooNew` for a newer schema.
     """
-    return Store(_ready_engine(url, timeout_s), timeout_s=timeout_s)
+    return Store(_ready_engine(url, timeout_s, create=create), timeout_s=timeout_s, on_damage=on_damage)
 
 
 def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Store:
     """Open the tuning database for a library caller; never raises for a database problem.
 
     Like :func:`open_store`, but a database that cannot be used (bad URL,
-    corrupt, read-only, locked, newer schema) gives one :class:`DbWarning`
-    naming the problem and an in-memory store; and a database problem that
-    shows up later, in a read or write, does the same instead of raising.
+    corrupt, read-only, locked, newer schema, damaged version table) gives one
+    :class:`DbWarning` naming the problem and an in-memory store; a database
+    problem that shows up later, in a read or write, does the same instead of
+    raising; and rows that do not parse are skipped with one warning.
     """
     try:
         engine = _ready_engine(url, timeout_s)
@@ -79,3 +108,25 @@ def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT
         )
         engine = memory_engine()
     return Store(engine, fallback=True, timeout_s=timeout_s)
+
+
+def open_store_for_repair(
+    url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, dry_run: bool = False
+) -> tuple[Store, list[str]]:
+    """Open a database that may be damaged, for :meth:`Store.repair`.
+
+    A damaged version table or missing tables are restored first (see
+    :func:`kvsplit.db.migrate.restore_schema`; with ``dry_run`` only listed).
+    Returns the store and one line per schema repair.  Never creates a database.
+
+    Raises
+    ------
+    StoreError
+        As :func:`open_store`; :class:`SchemaTooNew` for a newer schema, which
+        repair leaves alone.
+    """
+    engine = _engine(url, timeout_s, create=False)
+    done = _guarded(engine, timeout_s, lambda: restore_schema(engine, dry_run=dry_run))
+    if not (dry_run and done):
+        _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=False))
+    return Store(engine, timeout_s=timeout_s, on_damage="raise"), done

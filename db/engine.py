@@ -9,6 +9,7 @@ Any other SQLAlchemy URL is used as it is; PostgreSQL through psycopg 3
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import platformdirs
@@ -58,6 +59,25 @@ def is_memory_url(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file of an SQLite URL (already resolved); ``None`` for memory or another backend."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    if parsed.get_backend_name() != "sqlite" or is_memory_url(parsed):
+        return None
+    return Path(parsed.database)
+
+
+def default_quarantine_path(url: str) -> Path:
+    """Where ``repair`` writes the rows it removes: beside an SQLite file, else in the user cache dir."""
+    path = sqlite_file(url)
+    if path is not None:
+        return path.with_name(path.name + ".quarantine.jsonl")
+    return Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl"
+
+
 def create_db_engine(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
     """Create an engine for ``url`` (already resolved).
 
@@ -71,8 +91,9 @@ def create_db_engine(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engin
     Raises
     ------
     StoreError
-        The URL does not parse, names an unknown dialect, or its driver is missing.
+        The URL does not parse, names an unknown dialect, or its driver is not installed.
     """
+    shown = display_url(url)
     try:
         parsed = make_url(url)
         if parsed.get_backend_name() == "sqlite":
@@ -90,10 +111,29 @@ def create_db_engine(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engin
             # Fail in bounded time on an unreachable server instead of hanging.
             connect_args["connect_timeout"] = max(1, int(timeout_s))
         return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
-    except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as exc:
-        raise StoreError(f"bad database URL {display_url(url)!r}: {exc}") from exc
+    except NoSuchModuleError as exc:
+        raise StoreError(
+            f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite "
+            f"or postgresql+psycopg://user@host/db"
+        ) from exc
+    except ImportError as exc:
+        # The dialect is known but its DBAPI module is missing: not the URL's fault.
+        driver = f"{parsed.get_backend_name()}+{parsed.get_driver_name()}"
+        hint = "pip install 'psycopg[binary]'" if parsed.get_driver_name() == "psycopg" else f"install {exc.name or 'it'}"
+        raise StoreError(f"{shown}: the database driver for {driver} is not installed ({exc}); {hint}") from exc
+    except (ArgumentError, ValueError) as exc:
+        raise StoreError(
+            f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite "
+            f"or postgresql+psycopg://user@host/db"
+        ) from exc
     except OSError as exc:
-        raise StoreError(f"cannot create the directory for {display_url(url)!r}: {exc}") from exc
+        raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
+
+
+def _lenient_text(data: bytes) -> str:
+    # Invalid UTF-8 in a text column must not fail the whole query in the
+    # driver: it reads back with surrogates, and decode.py calls it damage.
+    return data.decode("utf-8", "surrogateescape")
 
 
 def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
@@ -103,6 +143,7 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
         # deferred, and a deferred transaction that later writes fails at once
         # with "database is locked" under WAL instead of waiting.
         dbapi_connection.isolation_level = None
+        dbapi_connection.text_factory = _lenient_text
         cursor = dbapi_connection.cursor()
         try:
             # busy_timeout first: switching to WAL itself needs the lock.
@@ -121,20 +162,46 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+_MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')
+
+
 def describe_error(exc: BaseException, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-    """One line for people saying what is wrong with the database at ``url``."""
+    """One sentence for people: what is wrong with the database at ``url``, and what to do."""
     shown = display_url(url)
     orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
     low = text.lower()
+    elsewhere = "or use another database with --db / KVSPLIT_DB"
     if "database is locked" in low or "database table is locked" in low:
-        return f"{shown}: database is locked (another process held it for more than {timeout_s:g} s)"
+        return (
+            f"{shown}: database is locked (another process held it for more than {timeout_s:g} s); "
+            f"try again once that process is done"
+        )
     if "not a database" in low or "malformed" in low or "corrupt" in low:
-        return f"{shown}: the file is corrupt or not an SQLite database ({text})"
+        return (
+            f"{shown}: the file is corrupt or not an SQLite database ({text}); move it away "
+            f"(kvsplit then starts a new one) {elsewhere}"
+        )
     if "readonly" in low or "read-only" in low:
-        return f"{shown}: the database is read-only ({text})"
+        return f"{shown}: the database is read-only ({text}); make the file and its directory writable {elsewhere}"
     if "unable to open database file" in low:
-        return f"{shown}: cannot open the database file: missing directory or no permission ({text})"
+        return (
+            f"{shown}: cannot open the database file: missing directory or no permission ({text}); "
+            f"check the path and its permissions"
+        )
+    missing = _MISSING_TABLE.search(text)
+    if missing:
+        table = missing.group(1) or missing.group(2)
+        return f"{shown}: the table {table} is missing; run `kvsplit db repair` to recreate it"
+    if "password authentication failed" in low or "authentication failed" in low:
+        return f"{shown}: the server refused the login ({text}); check the user and password in the URL"
+    if "does not exist" in low and "database" in low:
+        return f"{shown}: {text}; create that database on the server or fix the URL"
+    if "connection" in low or "could not" in low or "timeout" in low or "timed out" in low:
+        return (
+            f"{shown}: cannot reach the database server ({text}); check that it is running and that "
+            f"the host, port and database in the URL are right"
+        )
     if isinstance(exc, (SQLAlchemyError, OSError)):
-        return f"{shown}: {type(orig).__name__}: {text}"
+        return f"{shown}: {type(orig).__name__}: {text}; check the database {elsewhere}"
     return f"{shown}: {text}"

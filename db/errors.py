@@ -10,12 +10,44 @@ class StoreError(Exception):
     """
 
 
+class NoDatabase(StoreError):
+    """There is no database to read: no such SQLite file, or no kvsplit tables (commands that only read)."""
+
+
 class SchemaTooNew(StoreError):
     """The database was written by a newer kvsplit whose schema revision this code does not know."""
 
     def __init__(self, message: str, revision: str) -> None:
         super().__init__(message)
         self.revision = revision
+
+
+#: The remedy for damaged rows, named in every message about them.
+REPAIR_HINT = "run `kvsplit db repair` to move them to a quarantine file (`--dry-run` lists them first)"
+
+
+def listed(items: list, shown: int = 3) -> str:
+    text = "; ".join(str(item) for item in items[:shown])
+    return text + (f"; and {len(items) - shown} more" if len(items) > shown else "")
+
+
+class DamagedRows(StoreError):
+    """Rows of the database do not parse (wrong type, out of range, bad JSON or timestamp...).
+
+    Attributes
+    ----------
+    damage : list of kvsplit.db.decode.Damage
+        Each names the table, the row id and the problem.
+    """
+
+    def __init__(self, url: str, damage: list) -> None:
+        self.damage = list(damage)
+        rows = "row does" if len(self.damage) == 1 else "rows do"
+        super().__init__(f"{url}: {len(self.damage)} {rows} not parse ({listed(self.damage)}); {REPAIR_HINT}")
+
+
+class SchemaDamaged(StoreError):
+    """The schema version table is missing, empty, duplicated or holds garbage, or a table is missing."""
 
 
 class InvalidExportError(ValueError):

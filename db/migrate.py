@@ -15,10 +15,13 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from sqlalchemy import Connection, Engine
+import re
+
+from sqlalchemy import Connection, Engine, inspect, text
 
 from .engine import WRITE_OPTION, display_url
-from .errors import SchemaTooNew
+from .errors import NoDatabase, SchemaDamaged, SchemaTooNew
+from .models import Base
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 #: Not Alembic's default name, so kvsplit can share a PostgreSQL database with other apps.
@@ -55,18 +58,112 @@ def current_revision(conn: Connection) -> str | None:
     return ctx.get_current_revision()
 
 
-def _check_known(revision: str | None, url: str) -> None:
-    if revision is None:
-        return
+def _is_known(revision: str) -> bool:
     try:
-        _scripts().get_revision(revision)
+        return _scripts().get_revision(revision) is not None
     except CommandError:
-        raise SchemaTooNew(
-            f"{display_url(url)}: the database has schema revision {revision!r}, newer than this "
-            f"kvsplit knows (up to {head_revision()!r}); upgrade kvsplit, or use another "
-            f"database with --db / KVSPLIT_DB",
-            revision,
-        ) from None
+        return False
+
+
+_REVISION_ID = re.compile(r"^[0-9A-Za-z_]{1,32}$")
+_REPAIR = "run `kvsplit db repair` to restore it"
+
+
+def stamped_revision(conn: Connection, url: str, *, check_tables: bool = True) -> str | None:
+    """The one revision stamped in the database; ``None`` for a database without kvsplit tables.
+
+    Raises
+    ------
+    SchemaDamaged
+        kvsplit tables without a version row, several version rows, a row
+        that is not a revision id, or (at the head revision) a missing table.
+    SchemaTooNew
+        A revision this code does not know.
+    """
+    shown = display_url(url)
+    tables = set(inspect(conn).get_table_names())
+    has_version_table = VERSION_TABLE in tables
+    rows = [r[0] for r in conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))] if has_version_table else []
+    if not rows:
+        if tables & set(Base.metadata.tables):
+            state = "is empty" if has_version_table else "is missing"
+            raise SchemaDamaged(f"{shown}: the database has kvsplit tables but its schema version table "
+                                f"{VERSION_TABLE} {state}; {_REPAIR}")
+        return None
+    for row in rows:
+        if not (isinstance(row, str) and _REVISION_ID.match(row)):
+            raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} holds {row!r}, "
+                                f"which is not a schema revision; {_REPAIR}")
+    for row in rows:
+        _check_known(row, url)
+    if len(rows) > 1:
+        raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} has {len(rows)} rows "
+                            f"({', '.join(map(repr, rows))}) where one belongs; {_REPAIR}")
+    if check_tables and rows[0] == head_revision():
+        missing = [t for t in Base.metadata.tables if t not in tables]
+        if missing:
+            raise SchemaDamaged(f"{shown}: the table {missing[0]} is missing; run `kvsplit db repair` "
+                                f"to recreate it")
+    return rows[0]
+
+
+def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
+    """Restore a damaged version table or missing tables (``kvsplit db repair``); what was done.
+
+    A version table that is missing, empty, duplicated or holds garbage is
+    stamped with the head revision, but only when every table and column of
+    the head schema is there: otherwise nobody can tell which revision the
+    tables are.  At the head revision, missing tables are created empty.
+    A newer schema is refused (:class:`SchemaTooNew`).
+    """
+    shown = display_url(str(engine.url))
+    head = head_revision()
+    with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn, conn.begin():
+        try:
+            found = stamped_revision(conn, str(engine.url), check_tables=False)
+        except SchemaDamaged:
+            found = None
+            restamp = True
+        else:
+            restamp = False
+            if found != head:
+                return []  # empty (created on open) or older (upgraded on open)
+        inspector = inspect(conn)
+        tables = set(inspector.get_table_names())
+        for table in Base.metadata.sorted_tables:
+            if table.name in tables:
+                columns = {c["name"] for c in inspector.get_columns(table.name)}
+                lacking = sorted(set(table.columns.keys()) - columns)
+                if lacking:
+                    raise SchemaDamaged(
+                        f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision "
+                        f"{head}, so its revision cannot be told; restore the database from a backup or an "
+                        f"export, or start a new one with --db / KVSPLIT_DB")
+        missing = [t for t in Base.metadata.sorted_tables if t.name not in tables]
+        done = [f"created the missing table {t.name} (empty)" for t in missing]
+        if restamp:
+            done.append(f"stamped schema revision {head} in {VERSION_TABLE}")
+        if dry_run or not done:
+            return done
+        Base.metadata.create_all(conn, tables=missing)
+        if restamp:
+            if VERSION_TABLE in tables:
+                conn.execute(text(f"DELETE FROM {VERSION_TABLE}"))
+                conn.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"), {"v": head})
+            else:
+                command.stamp(_config(conn), head)
+        return done
+
+
+def _check_known(revision: str | None, url: str) -> None:
+    if revision is None or _is_known(revision):
+        return
+    raise SchemaTooNew(
+        f"{display_url(url)}: the database has schema revision {revision!r}, newer than this "
+        f"kvsplit knows (up to {head_revision()!r}); upgrade kvsplit, or use another "
+        f"database with --db / KVSPLIT_DB",
+        revision,
+    )
 
 
 def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | None]:
@@ -107,8 +204,8 @@ def _is_ancestor(target: str, revision: str) -> bool:
     return any(r.revision == revision for r in _scripts().iterate_revisions(target, "base"))
 
 
-def ensure_schema(engine: Engine) -> str | None:
-    """Bring the database to the head revision.
+def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
+    """Bring the database to the head revision; with ``create=False`` never create the schema.
 
     Returns
     -------
@@ -120,12 +217,16 @@ def ensure_schema(engine: Engine) -> str | None:
     ------
     SchemaTooNew
         The database carries a revision this code does not know.
+    SchemaDamaged
+        The version table is damaged or a table is missing (see :func:`stamped_revision`).
     """
     head = head_revision()
     with engine.connect() as conn:
-        found = current_revision(conn)
+        found = stamped_revision(conn, str(engine.url))
     if found == head:
         return None
-    _check_known(found, str(engine.url))
+    if found is None and not create:
+        raise NoDatabase(f"{display_url(str(engine.url))}: holds no kvsplit tuning tables yet; "
+                         f"`kvsplit tune` or `kvsplit db import` creates them")
     before, _ = upgrade(engine, "head")
     return before if before not in (None, head) else None

@@ -8,11 +8,11 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .schemas import BASELINE, ImportSummary, PruneResult, StoreStats, TuningRecord
-
+from .schemas import BASELINE, ImportSummary, PruneResult, RepairResult, StoreStats, TuningRecord
 
 
 def _key_cells(k) -> tuple[str, ...]:
@@ -44,21 +44,38 @@ def _x(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
 
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 def records_table(records: list[TuningRecord]) -> Table:
-    table = Table(title=f"{len(records)} tuning results")
-    for name in ("device", "build", "D", "dtype", "stats", "num_splits", "rows", "winner", "vs K=1", "updated"):
+    # Nothing is ever cut and the winner stays on one line: only the device
+    # label wraps. From 120 columns up everything fits, thanks to no vertical
+    # rules, short dtypes, N for num_splits, an 8-digit build prefix and the date alone
+    # (`kvsplit db show` has the rest).
+    table = Table(
+        title=f"{len(records)} tuning results", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
+    )
+    for name in ("device", "build", "D", "dtype", "stats", "N", "rows", "winner", "vs K=1", "updated"):
         table.add_column(
             name,
-            justify="right" if name in ("D", "num_splits", "rows", "vs K=1") else "left",
-            no_wrap=name == "device",
+            justify="right" if name in ("D", "N", "rows", "vs K=1") else "left",
+            no_wrap=name != "device",
+            overflow="fold",
+            min_width=8 if name == "device" else None,
         )
     for r in records:
         k = r.key
         table.add_row(
-            *_key_cells(k),
+            k.device.label,
+            k.build_hash[:8],
+            str(k.head_dim),
+            f"{_SHORT_DTYPES.get(k.partial_dtype, k.partial_dtype)}->{_SHORT_DTYPES.get(k.out_dtype, k.out_dtype)}",
+            k.stats_format,
+            str(k.num_splits),
+            str(k.rows),
             r.winner.label,
             _x(r.speedup),
-            _when(r.updated_at),
+            r.updated_at.strftime("%Y-%m-%d") if r.updated_at is not None else "-",
         )
     return table
 
@@ -81,8 +98,11 @@ def show_record(out: Console, record: TuningRecord) -> None:
     table = Table(title="candidates (microseconds)")
     for name in ("config", "median", "p10", "p90", "samples", "matched", "vs K=1", ""):
         table.add_column(name, justify="left" if name in ("config", "matched", "") else "right")
-    for c in sorted(record.candidates, key=lambda c: c.median_us):
-        ratio = base.median_us / c.median_us if base and c.median_us > 0 else None
+    for c in sorted(record.candidates, key=lambda c: (c.failed, c.median_us)):
+        if c.failed:  # raised before it could be timed
+            table.add_row(c.config.label, "-", "-", "-", "0", "[red]FAILED[/red]", "-", "")
+            continue
+        ratio = base.median_us / c.median_us if base and not base.failed and c.median_us > 0 else None
         table.add_row(
             c.config.label,
             f"{c.median_us:.3f}",
@@ -96,7 +116,7 @@ def show_record(out: Console, record: TuningRecord) -> None:
     out.print(table)
 
 
-def show_stats(out: Console, stats: StoreStats) -> None:
+def show_stats(out: Console, stats: StoreStats, installed: tuple[str, ...] = ()) -> None:
     out.print(
         f"{stats.url}: {stats.keys} tuning results, oldest {_when(stats.oldest)}, newest {_when(stats.newest)} UTC"
     )
@@ -110,10 +130,17 @@ def show_stats(out: Console, stats: StoreStats) -> None:
     out.print(devices)
     rule = f"not {stats.current_build}" if stats.current_build else "all but the most recently tuned"
     builds = Table(title=f"kernel builds (stale = {rule})")
-    for name in ("build", "library version", "keys", "newest", "stale"):
+    for name in ("build", "library version", "keys", "newest", "stale", "installed"):
         builds.add_column(name)
     for b in stats.builds:
-        builds.add_row(b.build_hash, b.library_version, str(b.keys), _when(b.newest), "stale" if b.stale else "")
+        builds.add_row(
+            b.build_hash,
+            b.library_version,
+            str(b.keys),
+            _when(b.newest),
+            "stale" if b.stale else "",
+            "installed" if b.build_hash in installed else "",
+        )
     out.print(builds)
 
 
@@ -135,3 +162,17 @@ def show_import(out: Console, summary: ImportSummary) -> None:
         f"{prefix}inserted {summary.inserted}, replaced {summary.replaced}, "
         f"kept {summary.kept} existing (rule: {summary.rule})"
     )
+
+
+def show_repair(out: Console, result: RepairResult) -> None:
+    verb = "would" if result.dry_run else ""
+    for line in result.schema_repairs:
+        out.print(f"schema: {'would have ' + line if result.dry_run else line}")
+    if not result.count:
+        out.print("every row parses: nothing to quarantine" if not result.schema_repairs else "no row to quarantine")
+        return
+    per_table = ", ".join(f"{table} {n}" for table, n in result.quarantined.items())
+    moved = f"{verb} move" if verb else "moved"
+    out.print(f"{moved} {result.count} rows ({per_table}) to {result.quarantine_file}")
+    for problem in result.problems:
+        out.print(f"  {problem}", markup=False, highlight=False)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 from typing import NamedTuple
 
 from sqlalchemy import ColumnElement, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from .decode import Damage, parse_timestamp, raw_columns
+from .reads import read_records
 from .models import KEY_COLUMNS, Candidate, Device, KernelBuild, TuningResult
 from .schemas import DeviceInfo, TuningKey, TuningRecord
 
@@ -24,7 +27,8 @@ def device_is(device: DeviceInfo | str) -> list[ColumnElement[bool]]:
     ]
 
 
-def _key_conditions(key: TuningKey) -> list[ColumnElement[bool]]:
+def key_conditions(key: TuningKey) -> list[ColumnElement[bool]]:
+    """Conditions on a result row (joined to its device and build) that pick ``key``."""
     r = TuningResult
     return [
         *device_is(key.device),
@@ -38,17 +42,12 @@ def _key_conditions(key: TuningKey) -> list[ColumnElement[bool]]:
     ]
 
 
-def find_result(session: Session, key: TuningKey) -> TuningResult | None:
-    """The result row for ``key``, with its device, build and candidates loaded."""
-    r = TuningResult
-    stmt = select(r).join(r.device).join(r.build).where(*_key_conditions(key))
-    return session.scalars(stmt).unique().one_or_none()
-
-
 class StoredTimes(NamedTuple):
+    """A stored result's id and times; a time that does not parse is ``None`` (the write replaces it)."""
+
     id: int
-    created_at: datetime
-    updated_at: datetime
+    created_at: datetime | None
+    updated_at: datetime | None
 
 
 # The write path runs prebuilt statements with bound parameters: building the
@@ -61,8 +60,9 @@ _DEVICE_MATCH = [
     Device.cc_minor == bindparam("cc_minor"),
     Device.sm_count == bindparam("sm_count"),
 ]
+_RAW_TIMES = [c for c in raw_columns(_R) if c.name in ("created_at", "updated_at")]
 _FIND_FOR_WRITE = (
-    select(_R.c.id, _R.c.created_at, _R.c.updated_at)
+    select(_R.c.id, *_RAW_TIMES)
     .join(Device.__table__, _R.c.device_id == Device.id)
     .join(KernelBuild.__table__, _R.c.build_id == KernelBuild.id)
     .where(
@@ -91,7 +91,7 @@ def find_for_write(session: Session, key: TuningKey) -> StoredTimes | None:
     """
     params = {**key.device.model_dump(), **key.model_dump(exclude={"device"})}
     row = session.execute(_FIND_FOR_WRITE, params).one_or_none()
-    return None if row is None else StoredTimes(*row)
+    return None if row is None else StoredTimes(row[0], parse_timestamp(row[1]), parse_timestamp(row[2]))
 
 
 def _device_id(session: Session, device: DeviceInfo) -> int:
@@ -127,7 +127,7 @@ def write_record(
     if stored is None:
         created = record.created_at or now
     else:
-        created = (record.created_at if keep_times else None) or stored.created_at
+        created = (record.created_at if keep_times else None) or stored.created_at or now
     values = {
         "winner_family": record.winner.family,
         "winner_params": dict(record.winner.params),
@@ -167,10 +167,12 @@ def write_record(
         )
 
 
-def stale_build_ids(session: Session, current_build: str | None) -> list[int]:
-    """Ids of stale builds: not ``current_build``, or when ``None``, not the most recently updated one."""
+def stale_build_ids(session: Session, current_build: str | Collection[str] | None) -> list[int]:
+    """Ids of stale builds: not ``current_build`` (one hash or several), or when ``None``, not the
+    most recently updated one."""
     if current_build is not None:
-        return list(session.scalars(select(KernelBuild.id).where(KernelBuild.build_hash != current_build)))
+        current = [current_build] if isinstance(current_build, str) else list(current_build)
+        return list(session.scalars(select(KernelBuild.id).where(KernelBuild.build_hash.not_in(current))))
     newest = session.execute(
         select(TuningResult.build_id).order_by(TuningResult.updated_at.desc(), TuningResult.id.desc()).limit(1)
     ).scalar_one_or_none()
@@ -183,16 +185,16 @@ def prune_results(
     session: Session,
     *,
     stale_builds: bool,
-    current_build: str | None,
+    current_build: str | Collection[str] | None,
     other_devices_than: DeviceInfo | str | None,
     cutoff: datetime | None,
     dry_run: bool,
-) -> list[TuningKey]:
-    """Delete (unless ``dry_run``) the results matching any criterion; return their keys.
+) -> tuple[list[TuningKey], list[Damage]]:
+    """Delete (unless ``dry_run``) the results matching any criterion; return their keys and the damage met.
 
     Devices and builds left without results are deleted too.  A string
     ``other_devices_than`` that matches no device raises ``ValueError``: a typo
-    must not delete every result.
+    must not delete every result.  Rows that do not parse are left alone.
     """
     r = TuningResult
     criteria = []
@@ -208,16 +210,16 @@ def prune_results(
     if cutoff is not None:
         criteria.append(r.updated_at < cutoff)
     if not criteria:
-        return []
-    rows = session.scalars(select(r).where(or_(*criteria))).unique().all()
-    keys = [TuningKey.model_validate(row.key) for row in rows]
-    if not dry_run and rows:
-        ids = [row.id for row in rows]
+        return [], []
+    found = read_records(session, [or_(*criteria)], candidates=False)
+    keys = [stored.record.key for stored in found.records]
+    if not dry_run and found.records:
+        ids = [stored.id for stored in found.records]
         session.execute(delete(Candidate).where(Candidate.result_id.in_(ids)))
         session.execute(delete(r).where(r.id.in_(ids)))
         session.execute(delete(Device).where(Device.id.not_in(select(r.device_id))))
         session.execute(delete(KernelBuild).where(KernelBuild.id.not_in(select(r.build_id))))
-    return keys
+    return keys, found.damage
 
 
 def merge_records(
@@ -230,7 +232,9 @@ def merge_records(
         if stored is None:
             counts["inserted"] += 1
         elif rule == "replace" or (
-            rule == "newer" and record.updated_at is not None and record.updated_at > stored.updated_at
+            rule == "newer"
+            and record.updated_at is not None
+            and (stored.updated_at is None or record.updated_at > stored.updated_at)
         ):
             counts["replaced"] += 1
         else:

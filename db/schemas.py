@@ -24,6 +24,7 @@ ImportRule = Literal["newer", "replace", "keep"]
 # validation instead of failing inside the database.
 _INT_MAX = 2**31 - 1
 Positive = Annotated[StrictInt, Field(ge=1, le=_INT_MAX)]
+Count = Annotated[StrictInt, Field(ge=0, le=_INT_MAX)]
 Micros = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
@@ -52,6 +53,12 @@ class DeviceInfo(_Model, frozen=True):
     def label(self) -> str:
         return f"{self.name} (sm_{self.cc_major}{self.cc_minor}, {self.sm_count} SMs)"
 
+
+class KernelBuildInfo(_Model, frozen=True):
+    """A compiled kernel library as the database names it."""
+
+    build_hash: str = Field(min_length=1, max_length=128)
+    library_version: str = Field(min_length=1, max_length=64)
 
 
 ChoiceKey = tuple[int, str, str, str, int, int]
@@ -102,17 +109,28 @@ class TuningPolicy(_Model):
 
 
 class CandidateResult(_Model):
-    """One measured config; times in microseconds per launch."""
+    """One measured config; times in microseconds per launch.
+
+    ``samples == 0`` records a candidate that failed (raised) before it could
+    be timed: its times are 0 and it did not match.
+    """
 
     config: KernelConfig
     median_us: Micros
     p10_us: Micros
     p90_us: Micros
-    samples: Positive
+    samples: Count
     matched: StrictBool  # whether its output matched kv_split=1
+
+    @property
+    def failed(self) -> bool:
+        """Whether it raised instead of running (never timed)."""
+        return self.samples == 0
 
     @model_validator(mode="after")
     def _ordered(self) -> CandidateResult:
+        if self.samples == 0 and (self.matched or self.median_us or self.p10_us or self.p90_us):
+            raise ValueError("a candidate with 0 samples failed: its times must be 0 and matched false")
         if not self.p10_us <= self.median_us <= self.p90_us:
             raise ValueError(f"need p10_us <= median_us <= p90_us, got {self.p10_us}, {self.median_us}, {self.p90_us}")
         return self
@@ -158,7 +176,7 @@ class TuningRecord(_Model):
     def speedup(self) -> float | None:
         """Median time of kv_split=1 divided by the winner's; ``None`` if either is unknown."""
         base, best = self.candidate(BASELINE), self.candidate(self.winner)
-        if base is None or best is None or best.median_us <= 0:
+        if base is None or best is None or base.failed or best.median_us <= 0:
             return None
         value = base.median_us / best.median_us
         return value if math.isfinite(value) else None
@@ -195,6 +213,26 @@ class PruneResult(_Model):
     @property
     def count(self) -> int:
         return len(self.keys)
+
+
+class RepairResult(_Model):
+    """What ``repair`` did (or, with ``dry_run``, would do).
+
+    ``quarantined`` counts rows per table: the rows that do not parse, and the
+    rows that cannot stand without them (results of a damaged device or build,
+    candidates of a quarantined result).  ``problems`` has one line per row
+    that does not parse itself; ``schema_repairs`` one line per repair of the schema.
+    """
+
+    dry_run: bool
+    quarantined: dict[str, int]
+    problems: list[str]
+    schema_repairs: list[str]
+    quarantine_file: str | None
+
+    @property
+    def count(self) -> int:
+        return sum(self.quarantined.values())
 
 
 class DeviceStats(_Model):

@@ -1,7 +1,11 @@
 """The tuning store: upserts and queries over one engine.
 
-Every operation is one short transaction.  ORM rows are turned into the
-pydantic models of :mod:`.schemas` before the session closes; none leaves.
+Every operation is one short transaction.  Rows become the pydantic models of
+:mod:`.schemas` in :mod:`.decode` only, before the session closes; none leaves.
+A row that does not parse is never an exception in a read: the store raises
+:class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it
+with a :class:`DbWarning` that names each row once (``"warn"``, library
+callers).
 A store opened with ``fallback=True`` (library callers) never raises for a
 database problem: it warns once and carries on with an in-memory database.
 """
@@ -12,20 +16,23 @@ import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from . import repair as repairing
+from .decode import Damage
+from .reads import read_records, scan
 from .engine import DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, describe_error, display_url, is_memory_url
-from .errors import DbWarning, StoreError
+from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, listed
 from .migrate import ensure_schema
 from .models import Device, KernelBuild, TuningResult
-from .rows import device_is, find_for_write, find_result, merge_records, prune_results, stale_build_ids, write_record
+from .rows import device_is, find_for_write, key_conditions, merge_records, prune_results, stale_build_ids, write_record
 from .schemas import (
     ChoiceKey,
     DeviceInfo,
@@ -34,6 +41,7 @@ from .schemas import (
     ImportSummary,
     KernelConfig,
     PruneResult,
+    RepairResult,
     StoreStats,
     TuningKey,
     TuningRecord,
@@ -43,6 +51,7 @@ from .transfer import make_export, parse_export
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
+OnDamage = Literal["raise", "warn"]
 MEMORY_URL = "sqlite://"
 # A concurrent writer (PostgreSQL) may insert the same device, build or key
 # between our SELECT and INSERT; the retry then finds its row and updates it.
@@ -91,12 +100,25 @@ class Store:
         continues in memory; if false it raises :class:`StoreError`.
     timeout_s : float
         Busy timeout the engine was created with, for messages.
+    on_damage : {"raise", "warn"}, optional
+        Rows that do not parse: raise :class:`DamagedRows`, or skip them with
+        one :class:`DbWarning` naming each row once.  Default ``"warn"`` with
+        ``fallback``, else ``"raise"``.
     """
 
-    def __init__(self, engine: Engine, *, fallback: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        fallback: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_damage: OnDamage | None = None,
+    ):
         self._engine = engine
         self._fallback = fallback
         self._timeout_s = timeout_s
+        self._on_damage: OnDamage = on_damage or ("warn" if fallback else "raise")
+        self._warned: set[tuple[str, object]] = set()
         self._swap_lock = threading.Lock()
         self._memory_lock = threading.RLock()
 
@@ -143,8 +165,15 @@ class Store:
                 self._failed(exc, engine)
             except SQLAlchemyError as exc:
                 self._failed(exc, engine)
+            except StoreError:
+                raise
+            except Exception as exc:
+                # A library caller's merge must go on whatever the database holds.
+                if not self._fallback:
+                    raise
+                self._failed(exc, engine)
 
-    def _failed(self, exc: SQLAlchemyError, engine: Engine) -> None:
+    def _failed(self, exc: Exception, engine: Engine) -> None:
         message = describe_error(exc, str(engine.url), self._timeout_s)
         if not self._fallback or is_memory_url(engine.url):
             raise StoreError(message) from exc
@@ -158,6 +187,27 @@ class Store:
             )
             self._engine = memory_engine()
         engine.dispose()
+
+    def _read(self, work: Callable[[Session], tuple[T, list[Damage]]]) -> T:
+        value, damage = self._run(work, write=False)
+        self._report(damage)
+        return value
+
+    def _report(self, damage: list[Damage]) -> None:
+        if not damage:
+            return
+        if self._on_damage == "raise":
+            raise DamagedRows(self.url, damage)
+        new = [d for d in damage if d.where not in self._warned]
+        if new:
+            self._warned.update(d.where for d in new)
+            rows = "row that does" if len(new) == 1 else "rows that do"
+            warnings.warn(
+                f"kvsplit tuning database {self.url}: skipped {len(new)} {rows} not parse "
+                f"({listed(new)}); {REPAIR_HINT}",
+                DbWarning,
+                stacklevel=3,
+            )
 
     # -- writes -------------------------------------------------------------
 
@@ -185,11 +235,11 @@ class Store:
     def get(self, key: TuningKey) -> TuningRecord | None:
         """The record stored for ``key``, or ``None``."""
 
-        def work(session: Session) -> TuningRecord | None:
-            row = find_result(session, key)
-            return None if row is None else TuningRecord.model_validate(row)
+        def work(session: Session) -> tuple[TuningRecord | None, list[Damage]]:
+            found = read_records(session, key_conditions(key))
+            return (found.records[0].record if found.records else None), found.damage
 
-        return self._run(work, write=False)
+        return self._read(work)
 
     def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, KernelConfig]:
         """Every winner for one device and build, in one query.
@@ -198,27 +248,17 @@ class Store:
         -------
         dict
             ``(head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows)``
-            -> winning :class:`KernelConfig`.  Rows whose config this code does
-            not know (a newer family) are left out.
+            -> winning :class:`KernelConfig`.  Rows that do not parse (a config
+            of a family this code does not know among them) are left out, as
+            ``on_damage`` says.  Candidates are not read.
         """
-        r = TuningResult
+        where = [*device_is(device), KernelBuild.build_hash == build_hash]
 
-        def work(session: Session) -> dict[ChoiceKey, KernelConfig]:
-            stmt = (
-                select(*_key_columns(r), r.winner_family, r.winner_params)
-                .join(Device, r.device_id == Device.id)
-                .join(KernelBuild, r.build_id == KernelBuild.id)
-                .where(*device_is(device), KernelBuild.build_hash == build_hash)
-            )
-            choices: dict[ChoiceKey, KernelConfig] = {}
-            for *key, family, params in session.execute(stmt):
-                try:
-                    choices[tuple(key)] = KernelConfig(family=family, params=params)
-                except ValueError:
-                    log.debug("skipping unknown config %s %s", family, params)
-            return choices
+        def work(session: Session) -> tuple[dict[ChoiceKey, KernelConfig], list[Damage]]:
+            found = read_records(session, where, candidates=False)
+            return {s.record.key.choice_key: s.record.winner for s in found.records}, found.damage
 
-        return self._run(work, write=False)
+        return self._read(work)
 
     def query(
         self,
@@ -229,18 +269,19 @@ class Store:
         dtype: str | None = None,
         out_dtype: str | None = None,
         stats_format: str | None = None,
-        num_splits: int | None = None,
-        rows: int | None = None,
+        num_splits: int | Iterable[int] | None = None,
+        rows: int | Iterable[int] | None = None,
     ) -> list[TuningRecord]:
         """Records matching every filter given, in key order.
 
         ``device`` is a :class:`DeviceInfo` (exact) or a string matched
         case-insensitively against part of the device name; ``dtype`` filters
-        the partials' dtype.
+        the partials' dtype; ``num_splits`` and ``rows`` may be several values
+        (any of them matches).
         """
         r = TuningResult
         conditions = [
-            col == value
+            col.in_(list(value)) if isinstance(value, Iterable) and not isinstance(value, str) else col == value
             for col, value in (
                 (KernelBuild.build_hash, build_hash),
                 (r.head_dim, head_dim),
@@ -255,17 +296,13 @@ class Store:
         if device is not None:
             conditions.extend(device_is(device))
 
-        def work(session: Session) -> list[TuningRecord]:
-            stmt = (
-                select(r)
-                .join(r.device)
-                .join(r.build)
-                .where(*conditions)
-                .order_by(Device.name, Device.sm_count, KernelBuild.build_hash, *_key_columns(r))
-            )
-            return [TuningRecord.model_validate(row) for row in session.scalars(stmt).unique()]
+        order = (Device.name, Device.sm_count, KernelBuild.build_hash, *_key_columns(r))
 
-        return self._run(work, write=False)
+        def work(session: Session) -> tuple[list[TuningRecord], list[Damage]]:
+            found = read_records(session, conditions, order_by=order)
+            return [stored.record for stored in found.records], found.damage
+
+        return self._read(work)
 
     def stats(self, current_build: str | None = None) -> StoreStats:
         """Keys per device, mean speed-up of the winner over kv_split=1, times, stale builds.
@@ -274,14 +311,46 @@ class Store:
         ``None``, every build but the one with the most recently updated result.
         """
 
-        def work(session: Session) -> StoreStats:
-            records = [TuningRecord.model_validate(row) for row in session.scalars(select(TuningResult)).unique()]
-            builds = {b.id: b for b in session.scalars(select(KernelBuild))}
-            stale = {builds[i].build_hash for i in stale_build_ids(session, current_build)}
+        def work(session: Session) -> tuple[StoreStats, list[Damage]]:
+            everything = scan(session)
+            builds = everything.builds
+            stale = {builds[i].build_hash for i in stale_build_ids(session, current_build) if i in builds}
             versions = {b.build_hash: b.library_version for b in builds.values()}
-            return summarize(self.url, records, versions, stale, current_build)
+            records = [stored.record for stored in everything.records]
+            return summarize(self.url, records, versions, stale, current_build), everything.damage
 
-        return self._run(work, write=False)
+        return self._read(work)
+
+    # -- damage -------------------------------------------------------------
+
+    def damage(self) -> list[Damage]:
+        """Every row that does not parse, and every row that cannot stand without one (never raises for them)."""
+        return self._run(lambda session: scan(session).damage, write=False)
+
+    def check(self) -> None:
+        """Raise :class:`DamagedRows` if any row does not parse, whatever ``on_damage`` says."""
+        damage = self.damage()
+        if damage:
+            raise DamagedRows(self.url, damage)
+
+    def repair(self, quarantine: Path | None = None, *, dry_run: bool = False) -> RepairResult:
+        """Move every row that does not parse, and the rows that depend on it, to a quarantine file.
+
+        One transaction: the rows are written to ``quarantine`` (JSON lines,
+        appended; default beside an SQLite file, else ``quarantine.jsonl`` in
+        the user cache directory) and then deleted; if the file cannot be
+        written nothing is deleted.  Every other row stays as it was.
+
+        Raises
+        ------
+        OSError
+            The quarantine file cannot be written (nothing was deleted).
+        """
+
+        def work(session: Session) -> RepairResult:
+            return repairing.quarantine(session, self.url, str(self._engine.url), quarantine, dry_run=dry_run)
+
+        return self._run(work, write=not dry_run)
 
     # -- pruning ------------------------------------------------------------
 
@@ -289,7 +358,7 @@ class Store:
         self,
         *,
         stale_builds: bool = False,
-        current_build: str | None = None,
+        current_build: str | Collection[str] | None = None,
         other_devices_than: DeviceInfo | str | None = None,
         older_than: timedelta | None = None,
         dry_run: bool = False,
@@ -299,7 +368,8 @@ class Store:
         Parameters
         ----------
         stale_builds : bool
-            Results of stale builds (see :meth:`stats` for ``current_build``).
+            Results of stale builds (see :meth:`stats` for ``current_build``, which
+            may here also be several hashes, all kept).
         other_devices_than : DeviceInfo or str, optional
             Results of every device but this one (a string matches part of the
             name, and must match at least one device).
@@ -317,8 +387,8 @@ class Store:
             return PruneResult(keys=[], dry_run=dry_run)
         cutoff = _now() - older_than if older_than is not None else None
 
-        def work(session: Session) -> PruneResult:
-            keys = prune_results(
+        def work(session: Session) -> tuple[PruneResult, list[Damage]]:
+            keys, damage = prune_results(
                 session,
                 stale_builds=stale_builds,
                 current_build=current_build,
@@ -326,9 +396,13 @@ class Store:
                 cutoff=cutoff,
                 dry_run=dry_run,
             )
-            return PruneResult(keys=keys, dry_run=dry_run)
+            if damage and self._on_damage == "raise":
+                raise DamagedRows(self.url, damage)  # before the transaction commits: nothing deleted
+            return PruneResult(keys=keys, dry_run=dry_run), damage
 
-        return self._run(work, write=not dry_run)
+        value, damage = self._run(work, write=not dry_run)
+        self._report(damage)
+        return value
 
     # -- exchange -----------------------------------------------------------
 

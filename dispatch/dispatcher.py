@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 
@@ -39,6 +40,7 @@ from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPL
                           configs_for_key, constrain_config, kvsplit_config)
 from .device import DeviceFacts
 from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
+from . import InvalidSetting
 
 __all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher", "pdl_enabled",
            "read_environment"]
@@ -66,9 +68,27 @@ def _env_int(name: str, raw: str | None) -> int | None:
     if raw in (None, ""):
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        value = 0
+    if value < 1:  # 0 or -1 would silently mean K = 1 (or no cap)
+        raise InvalidSetting(f"{name} must be a positive integer (an upper bound on K), got {raw!r}")
+    return value
+
+
+def read_settings(mode: str | None, max_split: str | None) -> tuple[str, KernelConfig | None, int | None]:
+    """``(mode, its fixed config or None, cap on K)`` from raw ``KVSPLIT_MODE`` and ``KVSPLIT_MAX_SPLIT``.
+
+    Raises :class:`~kvsplit.dispatch.InvalidSetting` (a ``ValueError``) naming
+    the variable when either is unusable.
+    """
+    mode = mode or "auto"
+    fixed = _fixed_config(mode)
+    if fixed is None and mode not in ("auto", "cached", "off"):
+        raise InvalidSetting(f"KVSPLIT_MODE must be one of {', '.join(MODES)} (SLICES in "
+                             f"{DSPLIT_SLICES}, KV_SPLIT in {DSPLIT_KV_SPLITS}, DEPTH in "
+                             f"{DSPLIT_DEPTHS}); got {mode!r}")
+    return mode, fixed, _env_int("KVSPLIT_MAX_SPLIT", max_split)
 
 
 def _environment_reader():
@@ -167,13 +187,7 @@ class Dispatcher:
         (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows, forced,
          environment) = fast_key
         mode, max_split_raw, db_url, _ = (_text(raw) for raw in environment)
-        mode = mode or "auto"
-        fixed = _fixed_config(mode)
-        if fixed is None and mode not in ("auto", "cached", "off"):
-            raise ValueError(f"KVSPLIT_MODE must be one of {', '.join(MODES)} (SLICES in "
-                             f"{DSPLIT_SLICES}, KV_SPLIT in {DSPLIT_KV_SPLITS}, DEPTH in "
-                             f"{DSPLIT_DEPTHS}); got {mode!r}")
-        max_split = _env_int("KVSPLIT_MAX_SPLIT", max_split_raw)
+        mode, fixed, max_split = read_settings(mode, max_split_raw)
 
         def constrained(config: KernelConfig) -> KernelConfig:
             return constrain_config(config, head_dim=head_dim, elem_bytes=partial_dtype.itemsize,
@@ -215,9 +229,9 @@ class Dispatcher:
         if capturing:
             pending_keys.add(key)
             return Decision(constrained(fallback), "capture", key)
-        return self._tune(facts, device, key, db_url, constrained)
+        return self._tune(facts, device, key, db_url, constrained, fallback)
 
-    def _tune(self, facts, device, key, db_url, constrained) -> Decision:
+    def _tune(self, facts, device, key, db_url, constrained, fallback) -> Decision:
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # concurrent callers of one key profile it once
@@ -227,7 +241,16 @@ class Dispatcher:
                 return Decision(constrained(stored), "database", key)
             # Tuned without the caller's cap: the record goes to a shared
             # database; the cap applies to this call through constrained().
-            record = tuner.tune(key, device, configs=configs_for_key(key, is_cuda=facts.is_cuda))
+            configs = configs_for_key(key, is_cuda=facts.is_cuda)
+            log.info("kvsplit: profiling %d candidate configs%s for %s at first use "
+                     "(`kvsplit tune` ahead of time, or KVSPLIT_MODE=cached, avoids this)",
+                     len(configs), " (before pruning)" if facts.is_cuda else "", key.choice_key)
+            try:
+                record = tuner.tune(key, device, configs=configs)
+            except tuner.NoWorkingCandidate as error:
+                warnings.warn(f"kvsplit: {error}; calls of this shape use the heuristic config "
+                              f"{fallback.label}", RuntimeWarning, stacklevel=2)
+                return Decision(constrained(fallback), "heuristic", key)
             table[key.choice_key] = record.winner
             self._open_store(db_url).upsert(record)
             pending_keys.discard(key)

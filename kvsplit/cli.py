@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
 from .autotune.cli import tune
+from .clikit import EXIT_DATABASE, EXIT_INVALID, MappedErrors, db_option, db_url, debug_option
 from .db.cli import db
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=MappedErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvsplit")
+@db_option
+@debug_option
 def main() -> None:
-    """Split-KV attention merge with a per-GPU tuned kernel config."""
+    """Split-KV attention merge with a per-GPU tuned kernel config.
+
+    --db URL may come before the command or after it. Exit codes: 0 success,
+    1 nothing matched or a tuning key failed, 2 usage error or invalid input
+    (including a KVSPLIT_* variable kvsplit cannot use), 3 database problem.
+    No error shows a traceback unless --debug is given.
+    """
 
 
 main.add_command(db)
@@ -22,24 +32,49 @@ main.add_command(tune)
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for programs.")
-def info(as_json: bool) -> None:
-    """Device, compiled architectures, build hash, database and dispatch mode."""
+@db_option
+@click.pass_context
+def info(ctx: click.Context, as_json: bool) -> None:
+    """Device, compiled architectures, build hash, database and dispatch mode.
+
+    Exits 2 if KVSPLIT_MODE or KVSPLIT_MAX_SPLIT is invalid and 3 if the
+    database has a problem, after printing everything.
+    """
     from .info import collect
 
-    facts = collect()
+    facts, exit_code = collect(db_url(ctx))
     if as_json:
         click.echo(json.dumps(facts, indent=2))
-        return
-    width = max(map(len, facts))
-    for key, value in facts.items():
-        click.echo(f"{key:<{width}}  {value}")
+    else:
+        width = max(map(len, facts))
+        for key, value in facts.items():
+            click.echo(f"{key:<{width}}  {value}")
+    if exit_code:
+        ctx.exit(exit_code)
 
 
 @main.command()
 @click.option("--device", default=None, help="cuda or cpu [default: cuda when available].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random attention problem.")
-def demo(device: str | None, seed: int) -> None:
+@db_option
+@click.pass_context
+def demo(ctx: click.Context, device: str | None, seed: int) -> None:
     """Merge a real decode step with kv_split=None: tune at first use, store, reuse; check the result."""
     from .demo import run
 
-    raise SystemExit(run(device, seed))
+    url = db_url(ctx)
+    saved = os.environ.get("KVSPLIT_DB")
+    if url is not None:  # the library reads the database URL from the environment
+        os.environ["KVSPLIT_DB"] = url
+    try:
+        code = run(device, seed)
+    finally:
+        if url is not None:
+            if saved is None:
+                os.environ.pop("KVSPLIT_DB", None)
+            else:
+                os.environ["KVSPLIT_DB"] = saved
+    ctx.exit(code)
+
+
+__all__ = ["EXIT_DATABASE", "EXIT_INVALID", "main"]

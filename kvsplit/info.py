@@ -1,4 +1,4 @@
-"""What ``kvsplit info`` reports, as a plain dictionary."""
+"""What ``kvsplit info`` reports, as a plain dictionary, and whether all is well."""
 
 from __future__ import annotations
 
@@ -8,8 +8,28 @@ from . import __version__, _native
 from .config import build_hash, has_cuda_kernels
 
 
-def collect() -> dict[str, str]:
+def _database(url: str | None) -> tuple[str, bool]:
+    """One line on the database and whether it has a problem; never creates it."""
+    from .db import StoreError, open_store
+    from .db.errors import NoDatabase
+
+    try:
+        with open_store(url, create=False) as store:
+            store.check()
+            results = len(store.query())
+    except NoDatabase:
+        return "not created yet (kvsplit creates it at the first tuning)", False
+    except StoreError as error:
+        return f"problem: {error}", True
+    return f"ok, {results} tuning results", False
+
+
+def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
+    """The facts, and the exit code: 2 for an invalid ``KVSPLIT_*`` setting, 3 for a database problem."""
     import torch
+
+    from .dispatch import InvalidSetting
+    from .dispatch.dispatcher import read_settings
 
     ext = _native.ext()
     on_gpu = torch.cuda.is_available() and has_cuda_kernels()
@@ -33,8 +53,17 @@ def collect() -> dict[str, str]:
     from .db.engine import display_url
 
     environ = os.environ
-    facts["database"] = display_url(resolve_url(environ.get("KVSPLIT_DB")))
-    facts["mode"] = environ.get("KVSPLIT_MODE") or "auto"
-    facts["max kv_split"] = environ.get("KVSPLIT_MAX_SPLIT") or "-"
+    facts["database"] = display_url(resolve_url(db_url or environ.get("KVSPLIT_DB")))
+    facts["database status"], db_problem = _database(db_url)
+    exit_code = 3 if db_problem else 0
+    mode, max_split = environ.get("KVSPLIT_MODE"), environ.get("KVSPLIT_MAX_SPLIT")
+    facts["mode"] = mode or "auto"
+    facts["max kv_split"] = max_split or "-"
+    for name, settings in (("mode", (mode, None)), ("max kv_split", (None, max_split))):
+        try:
+            read_settings(*settings)
+        except InvalidSetting as error:
+            facts[name] = f"invalid: {error}"
+            exit_code = 2
     facts["pdl"] = "on" if environ.get("KVSPLIT_PDL") == "1" else "off"
-    return facts
+    return facts, exit_code

@@ -106,6 +106,38 @@ def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
         assert "cached" in shown
 
 
+@pytest.mark.parametrize(("name", "value", "shown"), [
+    ("KVSPLIT_MODE", "garbage", "mode"),
+    ("KVSPLIT_MAX_SPLIT", "abc", "max kv_split"),
+    ("KVSPLIT_MAX_SPLIT", "0", "max kv_split"),
+    ("KVSPLIT_MAX_SPLIT", "-1", "max kv_split"),
+])
+def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, value, shown):
+    monkeypatch.setenv(name, value)
+    result = kvsplit("info", "--json")
+    assert result.exit_code == 2, result.output
+    facts = json.loads(result.stdout)
+    assert facts[shown].startswith(f"invalid: {name} must be")
+
+
+@pytest.mark.parametrize(("name", "value"), [("KVSPLIT_MODE", "garbage"), ("KVSPLIT_MAX_SPLIT", "abc"),
+                                             ("KVSPLIT_MAX_SPLIT", "0")])
+def test_demo_with_an_invalid_setting_exits_2_without_a_traceback(env, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    result = kvsplit("demo", "--device", "cpu", catch=True)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.exception
+    assert f"Error: {name} must be" in result.stderr and "Traceback" not in result.output
+
+
+def test_info_says_what_is_wrong_with_the_database(env, tmp_path):
+    assert "not created yet" in kvsplit("info").stdout  # and it was not created:
+    assert not (tmp_path / "tuning.sqlite").exists()
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not sqlite" * 100)
+    result = kvsplit("info", "--db", str(garbage))
+    assert result.exit_code == 3 and "corrupt or not an SQLite database" in result.stdout
+
+
 # -- tune over a grid -------------------------------------------------------------------------
 
 def test_tune_grid_is_resumable_and_force_retunes(env):
@@ -164,6 +196,8 @@ def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
     (["--rows", ""], "--rows"),
     (["--rows", "-4"], "--rows"),
     (["--head-dim", "sixty"], "--head-dim"),
+    (["--head-dim", "96"], "head dim 96 is not supported"),
+    (["--head-dim", "128,96,1024"], "head dim 96, 1024 is not supported"),
     (["--dtype", "int8"], "--dtype"),
     (["--format", "softmax"], "--format"),
     (["--l2", "lukewarm"], "--l2"),
@@ -197,7 +231,7 @@ def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_pat
     not_a_db = tmp_path / "garbage.sqlite"
     not_a_db.write_bytes(b"definitely not sqlite" * 64)
     result = kvsplit("tune", *GRID, "--db", f"sqlite:///{not_a_db}")
-    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.exit_code == 3 and "Traceback" not in result.output
     assert "garbage.sqlite" in result.output
 
 
@@ -229,6 +263,24 @@ def test_tune_pending_keeps_the_keys_that_failed(env):
     assert summary["failures"][0]["key"]["head_dim"] == 96 and "head_dim" in summary["failures"][0]["error"]
     assert pending.load() == [bad]
     assert [r.key for r in stored(env.url)] == [good]
+
+
+def test_tune_summary_for_people_has_no_none_and_failed_keys_in_words(env):
+    pending.add(cpu_key(96, 8, 4))  # no kernel for head_dim 96
+    result = kvsplit("tune", "--pending", "--devices", "cpu")
+    assert result.exit_code == 1
+    assert "None" not in result.stdout and "ms_per_tuned_key" in result.stdout
+    failed = [line for line in result.stderr.splitlines() if line.startswith("failed")]
+    assert failed and failed[0].startswith("failed D=96 bfloat16->bfloat16 maxsum num_splits=8 rows=4 on ")
+    assert "{" not in failed[0] and "head_dim" in failed[0]
+
+
+def test_tune_takes_db_before_the_command_too(env, tmp_path):
+    url = f"sqlite:///{tmp_path / 'elsewhere.sqlite'}"
+    result = kvsplit("--db", url, "tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8",
+                     "--rows", "4", "--json")
+    assert result.exit_code == 0, result.output
+    assert len(stored(url)) == 1 and not (tmp_path / "tuning.sqlite").exists()
 
 
 def test_tune_pending_does_not_store_another_devices_key_measured_here(env):

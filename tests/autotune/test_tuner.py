@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -327,3 +328,57 @@ def test_when_every_k_above_1_disagrees_k1_wins(rigged):
 def test_pick_winner_prefers_the_simpler_config_among_near_ties(medians, winner):
     table = {c: Timing(m, m, m, 1) for c, m in medians.items()}
     assert pick_winner(table, 0.02) == winner
+
+
+# -- a candidate that raises ------------------------------------------------------------------
+
+@pytest.fixture
+def raising(monkeypatch):
+    """``raising.ks`` = the K whose scratch runs raise, as a launch failure would."""
+    state = SimpleNamespace(ks=set())
+    real_run = tuner._Scratch.run
+
+    def run(self, plan, index=0):
+        if plan.config.kv_split in state.ks:
+            raise RuntimeError(f"launch failed for kv_split={plan.config.kv_split}")
+        return real_run(self, plan, index)
+
+    monkeypatch.setattr(tuner._Scratch, "run", run)
+    return state
+
+
+def test_a_candidate_that_raises_is_recorded_as_failed_and_the_search_goes_on(raising, caplog, tmp_path):
+    raising.ks = {4}
+    key = cpu_key(64, 16, 8)
+    with caplog.at_level(logging.WARNING, logger="kvsplit.autotune"):
+        record = tune(key, CPU, replays=3)
+    failed = record.candidate(KernelConfig.kvsplit(4))
+    assert failed.failed and not failed.matched and failed.median_us == 0.0
+    assert record.winner != KernelConfig.kvsplit(4)
+    assert [c.config.kv_split for c in record.candidates if not c.failed] == [1, 2, 8, 16]
+    assert any("kv_split=4" in r.getMessage() and "raised" in r.getMessage() for r in caplog.records)
+    with open_store(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:  # and the database takes it
+        store.upsert(record)
+        assert store.get(key).candidate(KernelConfig.kvsplit(4)).failed
+
+
+def test_a_candidate_that_raises_only_while_timed_is_recorded_as_failed(monkeypatch):
+    real_time_host = tuner.time_host
+    calls = []
+
+    def time_host(launch, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second candidate timed (K = 2)
+            raise RuntimeError("launch failed")
+        return real_time_host(launch, **kwargs)
+
+    monkeypatch.setattr(tuner, "time_host", time_host)
+    record = tune(cpu_key(64, 16, 8), CPU, replays=3)
+    assert [c.config.kv_split for c in record.candidates if c.failed] == [2]
+    assert record.winner != KernelConfig.kvsplit(2)
+
+
+def test_a_key_whose_reference_raises_has_no_working_candidate(raising):
+    raising.ks = {1, 2, 4, 8, 16}
+    with pytest.raises(tuner.NoWorkingCandidate, match="kv_split=1, the reference, raised RuntimeError"):
+        tune(cpu_key(64, 16, 8), CPU, replays=3)

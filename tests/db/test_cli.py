@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from dbtestlib import A100, make_record
-from kvsplit.db import open_store
+from kvsplit.db import dump_export, make_export, open_store
 from kvsplit.db.cli import db
 from kvsplit.db.engine import create_db_engine
 from kvsplit.db.migrate import VERSION_TABLE
@@ -142,7 +142,8 @@ def test_invalid_import_exits_2_and_writes_nothing(filled, tmp_path):
     assert "nothing was written" in result.output
     assert "record 3: winner: kvsplit.kv_split=3 is not one of 1, 2, 4, 8, 16" in result.output
     assert "record 5: candidates.0.median_us" in result.output
-    assert json.loads(run("--db", target, "list", "--json").stdout) == []
+    assert not (tmp_path / "target.sqlite").exists()  # not even created
+    assert run("--db", target, "list", "--json").exit_code == 3
     garbage = tmp_path / "garbage.json"
     garbage.write_text("not json at all")
     assert run("--db", target, "import", str(garbage)).exit_code == 2
@@ -153,7 +154,7 @@ def test_prune_dry_run_then_real(filled):
     dry = run("--db", filled, "prune", "--older-than", "30d", "--dry-run")
     assert dry.exit_code == 0 and "would delete 5 tuning results" in dry.stdout
     assert len(json.loads(run("--db", filled, "list", "--json").stdout)) == 11
-    stale = json.loads(run("--db", filled, "prune", "--stale-builds", "--json").stdout)
+    stale = json.loads(run("--db", filled, "prune", "--stale-builds", "--current-build", "build-b", "--json").stdout)
     assert stale["count"] == 5 and not stale["dry_run"]
     assert {k["build_hash"] for k in stale["keys"]} == {"build-a"}
     others = json.loads(run("--db", filled, "prune", "--other-devices-than", "H200", "--json").stdout)
@@ -201,7 +202,7 @@ def test_database_problems_exit_3_with_one_line(tmp_path):
     cases = {
         "nosuchdialect://x": "bad database URL",
         str(garbage): "corrupt or not an SQLite database",
-        str(tmp_path / "missing-dir" / "t.sqlite"): "cannot open the database file",
+        str(tmp_path / "missing-dir" / "t.sqlite"): "no such database file",
     }
     for url, message in cases.items():
         result = run("--db", url, "list")
@@ -231,3 +232,126 @@ def test_upgrade_warning_is_printed_once(tmp_path):
     result = run("--db", url, "list")
     assert result.exit_code == 0
     assert result.stderr.count("warning: kvsplit upgraded the tuning database") == 1
+
+
+# -- issue 13: options where people type them, repair, no traceback ----------------------------
+
+
+def test_db_goes_before_or_after_the_subcommand(filled, tmp_path, monkeypatch):
+    from kvsplit.cli import main
+
+    monkeypatch.delenv("KVSPLIT_DB", raising=False)
+    other = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    for args in (["stats", "--db", filled], ["--db", filled, "stats"], ["--db", other, "stats", "--db", filled]):
+        result = run(*args, "--json")
+        assert result.exit_code == 0, (args, result.output)
+        assert json.loads(result.stdout)["keys"] == 11
+    for args in (["--db", filled, "db", "list"], ["db", "list", "--db", filled], ["db", "--db", filled, "list"]):
+        result = CliRunner().invoke(main, [*args, "--json"])
+        assert result.exit_code == 0 and len(json.loads(result.stdout)) == 11, result.output
+    assert not (tmp_path / "other.sqlite").exists()  # the last --db won, the other was never opened
+
+
+def test_rows_and_num_splits_find_the_bucket_a_call_looks_up(db_url):
+    with open_store(db_url) as store:
+        store.upsert(make_record(num_splits=20, rows=10, winner=8))  # as stored by tune: bucket values
+    shown = run("--db", db_url, "show", "--rows", "9", "--num-splits", "18", "--json")
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["key"]["rows"] == 10
+    assert len(json.loads(run("--db", db_url, "list", "--rows", "10", "--json").stdout)) == 1
+    assert json.loads(run("--db", db_url, "list", "--rows", "11", "--json").stdout) == []  # bucket 12
+
+
+def test_prune_stale_builds_keeps_the_installed_build_by_default(filled):
+    from kvsplit.config import build_hash
+
+    installed = build_hash(False)  # the CPU twin's: in every build
+    with open_store(filled) as store:
+        store.upsert(make_record(build_hash=installed, rows=3))
+    stats = run("--db", filled, "stats")
+    assert "installed" in stats.stdout
+    result = json.loads(run("--db", filled, "prune", "--stale-builds", "--json").stdout)
+    assert result["count"] == 11  # build-a and build-b, although build-b was tuned last
+    assert [r["key"]["build_hash"] for r in json.loads(run("--db", filled, "list", "--json").stdout)] == [installed]
+
+
+@pytest.mark.parametrize("width", [120, 140, 160])
+def test_list_shows_every_winner_whole_on_one_line(width):
+    from rich.console import Console
+
+    from kvsplit.db import KernelConfig
+    from kvsplit.db.render import records_table
+
+    records = [
+        make_record(device=A100, partial_dtype="float32", rows=1_048_576, num_splits=1024).model_copy(
+            update={"winner": KernelConfig(family="dsplit", params={"slices": 16, "kv_split": 128, "depth": 8}),
+                    "candidates": [], "updated_at": datetime(2026, 1, 1, tzinfo=timezone.utc)}),
+        make_record(winner=16, updated_at=datetime(2026, 1, 2, tzinfo=timezone.utc)),
+    ]
+    out = Console(width=width, record=True)
+    out.print(records_table(records))
+    text = out.export_text()
+    assert max(map(len, text.splitlines())) <= width
+    for record in records:
+        line = next(line for line in text.splitlines() if record.winner.label in line)
+        assert str(record.key.rows) in line and record.updated_at.strftime("%Y-%m-%d") in line
+    assert "…" not in text
+
+
+def test_import_refuses_a_head_dim_the_kernels_do_not_support(tmp_path):
+    doc = json.loads(dump_export(make_export([make_record(head_dim=96), make_record(rows=5)])))
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(doc))
+    target = tmp_path / "target.sqlite"
+    result = run("--db", str(target), "import", str(path))
+    assert result.exit_code == 2 and "nothing was written" in result.output
+    assert "record 0: key.head_dim: 96 is not supported by the installed kernels" in result.output
+    assert not target.exists()
+
+
+def test_repair_dry_run_changes_nothing_then_repair_quarantines(filled, tmp_path):
+    engine = create_db_engine(filled)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE tuning_results SET l2_state = 'tepid' WHERE rows = 512"))
+    engine.dispose()
+    assert run("--db", filled, "list").exit_code == 3
+    quarantine = tmp_path / "q.jsonl"
+    dry = json.loads(run("--db", filled, "repair", "--dry-run", "--quarantine", str(quarantine), "--json").stdout)
+    assert dry["dry_run"] and dry["quarantined"] == {"tuning_results": 4, "tuning_candidates": 20}
+    assert not quarantine.exists() and run("--db", filled, "list").exit_code == 3
+    result = run("--db", filled, "repair", "--quarantine", str(quarantine))
+    assert result.exit_code == 0 and "moved 24 rows (tuning_results 4, tuning_candidates 20)" in result.stdout
+    assert "policy.l2_state" in result.stdout and "'tepid'" in result.stdout
+    lines = [json.loads(line) for line in quarantine.read_text().splitlines()]
+    assert len(lines) == 24 and {line["row"]["l2_state"] for line in lines if line["table"] == "tuning_results"} == {
+        "tepid"}
+    assert len(json.loads(run("--db", filled, "list", "--json").stdout)) == 7
+    assert "every row parses" in run("--db", filled, "repair").stdout
+
+
+def test_repair_restores_a_version_table_that_was_dropped(filled):
+    engine = create_db_engine(filled)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP TABLE {VERSION_TABLE}"))
+    engine.dispose()
+    broken = run("--db", filled, "stats")
+    assert broken.exit_code == 3 and "schema version table" in broken.output and "kvsplit db repair" in broken.output
+    repaired = run("--db", filled, "repair")
+    assert repaired.exit_code == 0 and "stamped schema revision" in repaired.stdout
+    assert json.loads(run("--db", filled, "stats", "--json").stdout)["keys"] == 11
+
+
+def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(filled, monkeypatch):
+    from kvsplit.cli import main
+    from kvsplit.db import store as store_module
+
+    def broken(self, **filters):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(store_module.Store, "query", broken)
+    plain = CliRunner().invoke(main, ["db", "list", "--db", filled])
+    assert plain.exit_code == 1 and (plain.exception is None or isinstance(plain.exception, SystemExit))
+    assert "internal error: KeyError" in plain.output and "--debug" in plain.output
+    assert "Traceback" not in plain.output
+    debug = CliRunner().invoke(main, ["--debug", "db", "list", "--db", filled])
+    assert debug.exit_code == 1 and "Traceback" in debug.output and "KeyError" in debug.output

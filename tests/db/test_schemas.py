@@ -85,7 +85,9 @@ def test_the_family_registry_is_the_kernel_layers_and_a_second_family_round_trip
         ({"median_us": float("nan")}, "finite"),
         ({"p90_us": float("inf")}, "finite"),
         ({"p10_us": 9.0}, "p10_us <= median_us <= p90_us"),
-        ({"samples": 0}, "greater than or equal to 1"),
+        ({"samples": -1}, "greater than or equal to 0"),
+        ({"samples": 0}, "0 samples failed: its times must be 0 and matched false"),
+        ({"samples": 0, "median_us": 0.0, "p10_us": 0.0, "p90_us": 0.0}, "matched false"),
         ({"matched": "yes"}, "valid boolean"),
     ],
 )
@@ -94,6 +96,16 @@ def test_invalid_candidates_are_refused(change, message):
     good |= {"samples": 10, "matched": True}
     with pytest.raises(ValidationError, match=message):
         CandidateResult(**{**good, **change})
+
+
+def test_a_failed_candidate_has_no_samples_no_times_and_did_not_match():
+    failed = CandidateResult(config=KernelConfig.kvsplit(2), median_us=0.0, p10_us=0.0, p90_us=0.0,
+                             samples=0, matched=False)
+    assert failed.failed
+    record = make_record(winner=4)
+    record = record.model_copy(update={"candidates": [failed if c.config.kv_split == 2 else c
+                                                      for c in record.candidates]})
+    assert TuningRecord.model_validate(record.model_dump()).candidate(KernelConfig.kvsplit(2)).failed
 
 
 def test_record_consistency_rules():

@@ -390,3 +390,42 @@ def test_each_database_url_has_its_own_choices(monkeypatch, call, tuner_calls, i
     for url in (isolated.url, f"sqlite:///{tmp_path / 'other.sqlite'}"):
         with open_store(url) as store:
             assert len(store.query()) == 1
+
+
+# -- settings that kvsplit cannot use, a key that cannot be tuned, the first-use log -----------
+
+@pytest.mark.parametrize("bad", ["0", "-1", "abc", "2.0", " "])
+def test_a_max_split_that_is_not_a_positive_integer_is_refused(monkeypatch, merge_kit, bad):
+    from kvsplit.dispatch import InvalidSetting
+
+    gen = merge_kit.generator("max split", bad)
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)
+    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", bad)
+    with pytest.raises(InvalidSetting, match="KVSPLIT_MAX_SPLIT must be a positive integer"):
+        kvsplit.merge_maxsum(partial_o, stats, 1.0)
+
+
+def test_a_key_with_no_working_candidate_gets_the_heuristic_with_a_warning(monkeypatch, call, isolated,
+                                                                           keys):
+    def broken(key, device, **kwargs):
+        raise tuner.NoWorkingCandidate(f"no candidate config works for {key.choice_key}")
+
+    monkeypatch.setattr(tuner, "tune", broken)
+    with pytest.warns(RuntimeWarning, match="no candidate config works.*heuristic config kvsplit"):
+        k, decision = call(num_splits=20, rows=8)  # the merge ran, against the reference
+    assert decision.source == "heuristic" and k == spec_heuristic(20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert call(num_splits=20, rows=8)[0] == k  # decided once: no warning per call
+    with open_store(isolated.url) as store:
+        assert store.query() == []
+
+
+def test_a_first_use_profile_is_logged_before_it_runs(call, tuner_calls, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kvsplit.dispatch"):
+        call(num_splits=16, rows=8)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvsplit.dispatch"]
+    assert lines[0].startswith("kvsplit: profiling 5 candidate configs for (64, 'bfloat16'")
+    assert "kvsplit tune" in lines[0] and len(tuner_calls.keys) == 1

@@ -107,6 +107,82 @@ void def_enum_field(py::class_<MergeParams>& cls, const char* name, Enum MergePa
       [field](MergeParams& p, int value) { p.*field = static_cast<Enum>(value); });
 }
 
+// -- the fast launchers -----------------------------------------------------------------
+// Arguments: a Launch, six addresses (ints), log2_scale (a float) and, for CUDA, a
+// stream (an int). Errors come back as the exceptions raise_for throws elsewhere.
+
+bool parse_launch(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected, const char* name,
+                  const Launch** launch, uintptr_t (&addresses)[7], float* log2_scale) {
+  if (nargs != expected) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, nargs);
+    return false;
+  }
+  try {
+    *launch = &py::handle(args[0]).cast<const Launch&>();
+  } catch (const py::cast_error&) {
+    PyErr_Format(PyExc_TypeError, "%s: the first argument must be a Launch", name);
+    return false;
+  }
+  for (Py_ssize_t i = 1; i < expected; ++i) {
+    if (i == 7) continue;
+    const unsigned long long value = PyLong_AsUnsignedLongLong(args[i]);
+    if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return false;
+    addresses[i < 7 ? i - 1 : 6] = static_cast<uintptr_t>(value);
+  }
+  const double scale = PyFloat_AsDouble(args[7]);
+  if (scale == -1.0 && PyErr_Occurred()) return false;
+  *log2_scale = static_cast<float>(scale);
+  return true;
+}
+
+// Runs `launch` and turns a C++ exception into the matching Python one.
+template <typename Fn>
+PyObject* guarded(Fn&& fn) {
+  try {
+    fn();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* merge_cpu_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const Launch* launch = nullptr;
+  uintptr_t a[7] = {};
+  float log2_scale = 1.f;
+  if (!parse_launch(args, nargs, 8, "merge_cpu", &launch, a, &log2_scale)) return nullptr;
+  return guarded([&] {
+    const MergeParams p = with_addresses(launch->params, a[0], a[1], a[2], a[3], a[4], a[5],
+                                         log2_scale);
+    Status status;
+    if (p.rows * p.num_splits * p.head_dim >= kReleaseGilElements) {
+      py::gil_scoped_release release;
+      status = kvsplit::merge_cpu(p, launch->config);
+    } else {
+      status = kvsplit::merge_cpu(p, launch->config);
+    }
+    raise_for(status);
+  });
+}
+
+PyObject* merge_cuda_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const Launch* launch = nullptr;
+  uintptr_t a[7] = {};
+  float log2_scale = 1.f;
+  if (!parse_launch(args, nargs, 9, "merge_cuda", &launch, a, &log2_scale)) return nullptr;
+  return guarded([&] {
+    CudaTarget target = launch->target;
+    target.stream = as_pointer<void>(a[6]);
+    raise_for(kvsplit::merge_cuda(with_addresses(launch->params, a[0], a[1], a[2], a[3], a[4],
+                                                 a[5], log2_scale),
+                                  launch->config, target));
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_ext, m) {
@@ -228,33 +304,22 @@ PYBIND11_MODULE(_ext, m) {
       .def_readonly("target", &Launch::target);
 
   // -- launchers ------------------------------------------------------------------------
-  m.def(
-      "merge_cpu",
-      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, float log2_scale) {
-        const MergeParams p = with_addresses(launch.params, partial_o, stats, split_counts, sinks,
-                                             out, out_stats, log2_scale);
-        Status status;
-        if (p.rows * p.num_splits * p.head_dim >= kReleaseGilElements) {
-          py::gil_scoped_release release;
-          status = kvsplit::merge_cpu(p, launch.config);
-        } else {
-          status = kvsplit::merge_cpu(p, launch.config);
-        }
-        raise_for(status);
-      },
-      "Merges on the CPU (pointers are host addresses)");
-  m.def(
-      "merge_cuda",
-      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, float log2_scale, uintptr_t stream) {
-        CudaTarget target = launch.target;
-        target.stream = as_pointer<void>(stream);
-        raise_for(kvsplit::merge_cuda(with_addresses(launch.params, partial_o, stats, split_counts,
-                                                     sinks, out, out_stats, log2_scale),
-                                      launch.config, target));
-      },
-      "Enqueues the merge on `stream` (a cudaStream_t of launch.target.device)");
+  // Raw METH_FASTCALL functions: these two are the per-call path of every eager
+  // merge, and pybind11's overload dispatch costs more than the rest of a launch.
+  static PyMethodDef launchers[] = {
+      {"merge_cpu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&merge_cpu_fast)),
+       METH_FASTCALL,
+       "merge_cpu(launch, partial_o, stats, split_counts, sinks, out, out_stats, log2_scale)\n"
+       "Merges on the CPU (addresses are host addresses as ints, 0: absent)"},
+      {"merge_cuda", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&merge_cuda_fast)),
+       METH_FASTCALL,
+       "merge_cuda(launch, partial_o, stats, split_counts, sinks, out, out_stats, log2_scale, "
+       "stream)\nEnqueues the merge on `stream` (a cudaStream_t of launch.target.device)"},
+  };
+  for (PyMethodDef& def : launchers) {
+    m.add_object(def.ml_name,
+                 py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
+  }
 
 #if defined(KVSPLIT_WITH_CUDA)
   m.def("launch_noop", [](int grid, uintptr_t stream) {

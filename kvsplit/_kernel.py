@@ -20,12 +20,18 @@ _ext = _native.ext()
 #: torch dtype -> the kernel layer's code.
 TORCH_DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code
                                              for name, code in DTYPE_CODES.items()}
-_current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+#: The launchers: ``(launch, partial_o, stats, split_counts, sinks, out, out_stats,
+#: log2_scale[, stream])`` with addresses as ints (0: absent).
+merge_cpu, merge_cuda = _ext.merge_cpu, _ext.merge_cuda
 
 
-def current_stream(device_index: int) -> int:
-    """The raw handle of ``device_index``'s current CUDA stream (not the current device's)."""
-    return _current_stream(device_index)
+def _no_cuda(device_index: int) -> int:
+    raise RuntimeError("torch has no CUDA support here")
+
+
+#: ``current_stream(device_index)``: the raw handle of ``device_index``'s current
+#: CUDA stream (not the current device's).
+current_stream = (torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else _no_cuda)
 
 
 @functools.cache
@@ -71,11 +77,11 @@ class Plan:
                out_stats: int, log2_scale: float) -> None:
         """Launches with these addresses (0: absent) and ``log2_scale`` (see params.h)."""
         if self.is_cuda:
-            _ext.merge_cuda(self.native, partial_o, stats, split_counts, sinks, out, out_stats,
-                            log2_scale, _current_stream(self.device_index))
+            merge_cuda(self.native, partial_o, stats, split_counts, sinks, out, out_stats,
+                       log2_scale, current_stream(self.device_index))
         else:
-            _ext.merge_cpu(self.native, partial_o, stats, split_counts, sinks, out, out_stats,
-                           log2_scale)
+            merge_cpu(self.native, partial_o, stats, split_counts, sinks, out, out_stats,
+                      log2_scale)
 
 
 def address(tensor: torch.Tensor | None) -> int:

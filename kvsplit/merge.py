@@ -43,6 +43,8 @@ _PARTIAL_DTYPES = tuple(_OUT_DTYPES)
 _KV_SPLITS = _dispatch.KV_SPLITS
 _plans = _dispatch.dispatcher.plans
 _read_environment = _dispatch.read_environment
+_merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
+_current_stream = _kernel.current_stream
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -157,7 +159,7 @@ def _extent(tensor: Optional[torch.Tensor]) -> int:
 class _LayoutPlan:
     """What a layout's calls share: the launch plan and the byte extents and alignments."""
 
-    __slots__ = ("kernel", "rows", "out_shape", "out_dtype", "stats_shape", "device",
+    __slots__ = ("kernel", "native", "device_index", "rows", "out_shape", "out_dtype", "stats_shape", "device",
                  "store_bytes", "extents", "log2_scale", "cacheable")
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
@@ -180,7 +182,7 @@ class _LayoutPlan:
         else:
             self.log2_scale = 1.0 if scalar == 2.0 else _LOG2E
             export_scale = 1.0 if scalar == 2.0 else _LN2
-        self.kernel, self.cacheable = None, True
+        self.kernel, self.native, self.device_index, self.cacheable = None, None, -1, True
         if rows:
             facts = device_facts(device)
             config, self.cacheable = _dispatch.choose_for_plan(facts, device, head_dim, partial_o.dtype, out_dtype,
@@ -188,6 +190,7 @@ class _LayoutPlan:
             self.kernel = _kernel.Plan(config, fmt, partial_o, stats, out_like, sinks,
                                        export_scale, sm_count=facts.sm_count,
                                        pdl=_dispatch.pdl_enabled())
+            self.native, self.device_index = self.kernel.native, self.kernel.device_index
 
 
 def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
@@ -202,22 +205,25 @@ def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dty
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 
-def _layout_key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
-    """Everything that validation and the plan depend on, except addresses and the maxsum scale."""
+def _key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
+    """Everything that validation and the plan depend on, except addresses and the maxsum scale.
+
+    Built on every call (it is most of the host time of a cached call), so it
+    reads each attribute once and calls nothing it need not.
+    """
     return (fmt, partial_o.dtype, partial_o.shape, partial_o.stride(), partial_o.device,
             stats.dtype, stats.shape, stats.stride(), stats.device,
             None if out is None else (out.dtype, out.shape, out.stride(), out.device),
             None if sinks is None else (sinks.dtype, sinks.shape, sinks.stride(), sinks.device),
             None if split_counts is None else (split_counts.dtype, split_counts.shape,
                                                split_counts.stride(), split_counts.device),
-            None if fmt == MAXSUM else scalar, bool(return_stats), kv_split, type(kv_split),
+            None if fmt == MAXSUM else scalar, return_stats, kv_split, type(kv_split),
             _read_environment())
 
 
 def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
     try:
-        key = _layout_key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
-                          kv_split)
+        key = _key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scalar: validation says
         key = plan = None
@@ -263,19 +269,28 @@ def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_count
     if out_addr % plan.store_bytes:
         raise ValueError(f"out and each of its rows must be {plan.store_bytes}-byte aligned")
     s_addr = stats.data_ptr()
-    c_addr = 0 if split_counts is None else split_counts.data_ptr()
-    k_addr = 0 if sinks is None else sinks.data_ptr()
-    os_addr = 0 if out_stats is None else out_stats.data_ptr()
-    if not fresh_out or os_addr:  # outputs allocated here cannot alias anything
-        extents = plan.extents
-        end = out_addr + extents[4]
-        if (c_addr or k_addr or os_addr or (extents[4] and (
-                (o_addr < end and out_addr < o_addr + extents[0])
-                or (s_addr < end and out_addr < s_addr + extents[1])))):
-            _check_aliasing(fmt, plan, [o_addr, s_addr, c_addr, k_addr, out_addr, os_addr])
-    if plan.kernel is not None:
-        plan.kernel.launch(o_addr, s_addr, c_addr, k_addr, out_addr, os_addr,
-                           plan.log2_scale or scalar)
+    if sinks is None and split_counts is None and out_stats is None:
+        c_addr = k_addr = os_addr = 0
+        if not fresh_out:  # outputs allocated here cannot alias anything
+            extents = plan.extents
+            out_end = out_addr + extents[4]
+            if extents[4] and ((o_addr < out_end and out_addr < o_addr + extents[0])
+                               or (s_addr < out_end and out_addr < s_addr + extents[1])):
+                _check_aliasing(fmt, plan, [o_addr, s_addr, 0, 0, out_addr, 0])
+    else:
+        c_addr = 0 if split_counts is None else split_counts.data_ptr()
+        k_addr = 0 if sinks is None else sinks.data_ptr()
+        os_addr = 0 if out_stats is None else out_stats.data_ptr()
+        _check_aliasing(fmt, plan, [o_addr, s_addr, c_addr, k_addr, out_addr, os_addr])
+    native = plan.native
+    if native is None:  # rows = 0: nothing to launch
+        return
+    if plan.device_index < 0:
+        _merge_cpu(native, o_addr, s_addr, c_addr, k_addr, out_addr, os_addr,
+                   plan.log2_scale or scalar)
+    else:
+        _merge_cuda(native, o_addr, s_addr, c_addr, k_addr, out_addr, os_addr,
+                    plan.log2_scale or scalar, _current_stream(plan.device_index))
 
 
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
@@ -298,10 +313,12 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
     fresh_out = out is None
     if fresh_out:
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
-    out_stats = (torch.empty(plan.stats_shape, dtype=torch.float32, device=plan.device)
-                 if return_stats else None)
-    _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, fresh_out)
-    return (out, out_stats) if return_stats else out
+    if return_stats:
+        out_stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=plan.device)
+        _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, fresh_out)
+        return out, out_stats
+    _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, fresh_out)
+    return out
 
 
 def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,

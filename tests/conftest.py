@@ -21,6 +21,7 @@ import torch
 
 import kvsplit
 from kvsplit import _kernel, reference
+from kvsplit import merge as merge_module
 from kvsplit.config import has_cuda_kernels
 from kvsplit.dispatch import dispatcher
 from kvsplit.dispatch.constraints import KVSPLIT
@@ -217,12 +218,14 @@ def chosen_kv_split(monkeypatch):
     """
     monkeypatch.delenv("KVSPLIT_MAX_SPLIT", raising=False)
     chosen: list[int] = []
-    launch = _kernel.Plan.launch
+    launch = merge_module._launch
 
     def spy(plan, *args):
         # A KvSplit config is recorded as its K, any other config as itself.
-        chosen.append(plan.config.kv_split if plan.config.family == KVSPLIT else plan.config)
+        if plan.kernel is not None:
+            config = plan.kernel.config
+            chosen.append(config.kv_split if config.family == KVSPLIT else config)
         return launch(plan, *args)
 
-    monkeypatch.setattr(_kernel.Plan, "launch", spy)
+    monkeypatch.setattr(merge_module, "_launch", spy)
     return chosen

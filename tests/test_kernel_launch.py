@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvsplit import _kernel
+from kvsplit import _kernel, merge
 from kvsplit.config import KernelConfig
 
 
@@ -32,12 +32,9 @@ def test_a_cuda_launch_goes_to_the_tensors_device_and_its_current_stream(monkeyp
     stats = fake_tensor((16, 64, 2), torch.float32, device)
     out = fake_tensor((64, 512), torch.bfloat16, device)
     streams_asked, launches = [], []
-    monkeypatch.setattr(_kernel, "_current_stream",
+    monkeypatch.setattr(_kernel, "current_stream",
                         lambda index: streams_asked.append(index) or 1000 + index)
-    ext = _kernel._ext
-    monkeypatch.setattr(_kernel, "_ext", SimpleNamespace(
-        MergeParams=ext.MergeParams, CudaTarget=ext.CudaTarget, Launch=ext.Launch,
-        KernelConfig=ext.KernelConfig, merge_cuda=lambda *args: launches.append(args)))
+    monkeypatch.setattr(_kernel, "merge_cuda", lambda *args: launches.append(args))
     config = KernelConfig.dsplit(4, 16, 8)
     plan = _kernel.Plan(config, 0, partial_o, stats, out, None, 0.69, sm_count=132, pdl=True)
     plan.launch(11, 22, 0, 0, 33, 0, 0.5)
@@ -55,9 +52,33 @@ def test_a_cpu_plan_never_asks_for_a_stream(monkeypatch):
     partial_o = torch.randn(2, 4, 64).bfloat16()
     stats = torch.randn(2, 4)
     out = torch.empty(4, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(_kernel, "_current_stream", lambda index: (_ for _ in ()).throw(
+    monkeypatch.setattr(_kernel, "current_stream", lambda index: (_ for _ in ()).throw(
         AssertionError("a CPU launch asked for a CUDA stream")))
     plan = _kernel.Plan(KernelConfig.kvsplit(2), 1, partial_o, stats, out, None, 1.0)
     assert not plan.is_cuda and plan.device_index == -1
     _kernel.run(plan, partial_o, stats, out, 1.0)
     assert torch.isfinite(out.float()).all()
+
+
+def test_the_eager_call_launches_on_the_plans_device_and_its_current_stream(monkeypatch):
+    """kvsplit/merge.py's per-call launch, with a cached plan of a ``cuda:1`` layout."""
+    device = torch.device("cuda", 1)
+    partial_o = fake_tensor((16, 64, 512), torch.bfloat16, device)
+    stats = fake_tensor((16, 64, 2), torch.float32, device)
+    out = fake_tensor((64, 512), torch.bfloat16, device)
+    for tensor, address in ((partial_o, 1 << 20), (stats, 2 << 20), (out, 3 << 20)):
+        tensor.data_ptr = lambda address=address: address
+    streams_asked, launches = [], []
+    monkeypatch.setattr(merge, "_current_stream",
+                        lambda index: streams_asked.append(index) or 1000 + index)
+    monkeypatch.setattr(merge, "_merge_cuda", lambda *args: launches.append(args))
+    plan = _kernel.Plan(KernelConfig.kvsplit(4), 0, partial_o, stats, out, None, 0.69,
+                        sm_count=132)
+    layout = SimpleNamespace(native=plan.native, device_index=plan.device_index, store_bytes=16,
+                             extents=(16 * 64 * 512 * 2, 16 * 64 * 8, 0, 0, 64 * 512 * 2, 0),
+                             log2_scale=None)
+    merge._launch(layout, merge.MAXSUM, partial_o, stats, 0.25, None, None, out, None, False)
+    assert streams_asked == [1]
+    (native, *addresses, scale, stream), = launches
+    assert native is plan.native and native.target.device == 1
+    assert addresses == [1 << 20, 2 << 20, 0, 0, 3 << 20, 0] and scale == 0.25 and stream == 1001

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvsplit
-from kvsplit import _kernel
+from kvsplit import merge as merge_module
 from kvsplit.config import build_hash
 from kvsplit.autotune import tuner
 from kvsplit.db import KernelConfig, TuningPolicy, TuningRecord, open_store
@@ -98,27 +98,19 @@ def kernel_ks(monkeypatch):
     ``kernel_ks.use(dispatcher)`` routes merge calls to another Dispatcher.
     """
     ks: list[int] = []
-    tuning = threading.local()
-    launch, run = _kernel.Plan.launch, _kernel.run
+    launch = merge_module._launch  # the public calls' launches, not the tuner's
 
     def spy_launch(plan, *args):
-        if not getattr(tuning, "on", False):  # a KvSplit config as its K, any other as itself
-            ks.append(plan.config.kv_split if plan.config.family == KVSPLIT else plan.config)
+        if plan.kernel is not None:  # a KvSplit config as its K, any other as itself
+            config = plan.kernel.config
+            ks.append(config.kv_split if config.family == KVSPLIT else config)
         return launch(plan, *args)
-
-    def tuner_run(*args, **kwargs):
-        tuning.on = True
-        try:
-            return run(*args, **kwargs)
-        finally:
-            tuning.on = False
 
     def use(other):
         dispatch_module.dispatcher.plans.clear()
         monkeypatch.setattr(dispatch_module, "choose_for_plan", other.choose_for_plan)
 
-    monkeypatch.setattr(_kernel.Plan, "launch", spy_launch)
-    monkeypatch.setattr(_kernel, "run", tuner_run)
+    monkeypatch.setattr(merge_module, "_launch", spy_launch)
     yield SimpleNamespace(ks=ks, use=use)
     dispatch_module.dispatcher.plans.clear()
 

@@ -24,7 +24,9 @@ import torch
 from . import _kernel
 from .config import DTYPE_PAIRS, HEAD_DIMS, STATS_FORMAT_CODES, has_cuda_kernels
 from .dispatch import dispatcher as _dispatch
+from .dispatch.constraints import in_place_config
 from .dispatch.device import device_facts
+from .dispatch.keys import scattered_stats
 
 MAXSUM, LSE = STATS_FORMAT_CODES["maxsum"], STATS_FORMAT_CODES["lse"]
 _LN2 = math.log(2.0)
@@ -88,8 +90,18 @@ def _check_scalar(fmt: int, scalar: object) -> None:
             raise ValueError(f"base must be 2.0 or math.e, got {scalar}")
 
 
-def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split) -> torch.dtype:
-    """Checks what needs no memory address; returns the output dtype."""
+_RANK_WORDS = {1: "3-D (num_splits, rows, head_dim)", 2: "4-D (num_splits, tokens, heads, head_dim)",
+               3: "5-D (num_splits, batch, seqlen, heads, head_dim)"}
+_PUBLIC_ROW_DIMS = (1, 2)
+
+
+def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split, *,
+              row_dims=_PUBLIC_ROW_DIMS) -> torch.dtype:
+    """Checks what needs no memory address; returns the output dtype.
+
+    ``row_dims``: how many dims the rows may take (1: rows; 2: tokens, heads;
+    3: batch, seqlen, heads, for FlashAttention's combine layout).
+    """
     _check_scalar(fmt, scalar)
     if not isinstance(partial_o, torch.Tensor):
         raise _type_error("partial_o", partial_o)
@@ -97,22 +109,26 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
     if dtype not in _OUT_DTYPES:
         raise _dtype_error("partial_o", dtype, _PARTIAL_DTYPES)
     shape = partial_o.shape
-    if len(shape) != 3:
-        raise ValueError(f"partial_o must be 3-D (num_splits, rows, head_dim), got {len(shape)}-D")
-    num_splits, rows, head_dim = shape
+    if len(shape) - 2 not in row_dims:
+        ranks = " or ".join(_RANK_WORDS[r] for r in row_dims)
+        raise ValueError(f"partial_o must be {ranks}, got {len(shape)}-D")
+    num_splits, *row_list, head_dim = shape
+    row_shape = tuple(row_list)
+    rows = math.prod(row_shape)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"partial_o: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
     if num_splits == 0 and rows > 0:
         raise ValueError("partial_o has num_splits = 0 but rows > 0: nothing to merge")
-    if partial_o.stride(2) != 1:
-        raise ValueError(f"partial_o must have unit stride on dim 2, got strides {partial_o.stride()}")
+    last = len(shape) - 1
+    if partial_o.stride(last) != 1 and head_dim > 1:
+        raise ValueError(f"partial_o must have unit stride on dim {last}, got strides {partial_o.stride()}")
     device = partial_o.device
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"partial_o must be on a CPU or CUDA device, got {device}")
 
     stats_tail = (2,) if fmt == MAXSUM else ()
-    _check_tensor(_stats_name(fmt), stats, _STATS_DTYPES, (num_splits, rows) + stats_tail, device,
-                  2 if stats_tail else None)
+    _check_tensor(_stats_name(fmt), stats, _STATS_DTYPES, (num_splits,) + row_shape + stats_tail,
+                  device, len(shape) - 1 if stats_tail else None)
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
             raise _type_error("sinks", sinks)
@@ -120,16 +136,22 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
             raise _dtype_error("sinks", sinks.dtype, _STATS_DTYPES)
         if sinks.dim() != 1 or sinks.numel() == 0:
             raise ValueError(f"sinks must be 1-D (heads,) with heads >= 1, got shape {tuple(sinks.shape)}")
-        if rows % sinks.numel():
+        if len(row_shape) == 1 and rows % sinks.numel():
             raise ValueError(f"sinks: rows ({rows}) must be a multiple of heads ({sinks.numel()})")
+        if len(row_shape) > 1 and sinks.numel() != row_shape[-1]:
+            raise ValueError(f"sinks has {sinks.numel()} heads but partial_o has {row_shape[-1]}")
         _check_tensor("sinks", sinks, _STATS_DTYPES, tuple(sinks.shape), device, 0)
     if split_counts is not None:
-        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, (rows,), device, 0)
+        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, row_shape, device, 0)
+        if not split_counts.is_contiguous():
+            raise ValueError(f"split_counts must be contiguous (rows in order), got strides "
+                             f"{split_counts.stride()}")
 
     if out is None:
         out_dtype = _OUT_DTYPES[dtype][0]
     else:
-        _check_tensor("out", out, _OUT_DTYPES[dtype], (rows, head_dim), device, 1)
+        _check_tensor("out", out, _OUT_DTYPES[dtype], row_shape + (head_dim,), device,
+                      len(row_shape))
         out_dtype = out.dtype
 
     if kv_split is not None:
@@ -161,20 +183,32 @@ class _LayoutPlan:
                  "store_bytes", "extents", "log2_scale", "cacheable")
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
-                 kv_split):
-        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
-        num_splits, rows, head_dim = partial_o.shape
+                 kv_split, *, out_stats=None, empty_stat=None, stats_in_place=False,
+                 row_dims=_PUBLIC_ROW_DIMS):
+        """``out_stats``, ``empty_stat`` and ``stats_in_place`` are kvsplit.compat's: a given
+        exported-stats tensor (any strides), a stat that reads as empty, and an export
+        into split 0's stats (see params.h)."""
+        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
+                              row_dims=row_dims)
+        num_splits, *row_list, head_dim = partial_o.shape
+        row_shape = tuple(row_list)
+        rows = math.prod(row_shape)
         _check_strides(partial_o, out, out_dtype)
         device = partial_o.device
         self.rows, self.device, self.out_dtype = rows, device, out_dtype
-        self.out_shape = (rows, head_dim)
-        self.stats_shape = (rows, 2) if fmt == MAXSUM else (rows,)
+        self.out_shape = row_shape + (head_dim,)
+        self.stats_shape = row_shape + ((2,) if fmt == MAXSUM else ())
+        if out_stats is not None:
+            _check_tensor("out_stats" if fmt == MAXSUM else "out_lse", out_stats, _STATS_DTYPES,
+                          self.stats_shape, device, len(row_shape) if fmt == MAXSUM else None)
         # Each thread stores the outputs of 16 bytes of partials in one access.
         self.store_bytes = 16 // partial_o.dtype.itemsize * out_dtype.itemsize
         out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
                                                            device="meta")
         self.extents = (_extent(partial_o), _extent(stats), _extent(split_counts), _extent(sinks),
-                        _extent(out_like), 4 * math.prod(self.stats_shape))
+                        _extent(out_like),
+                        _extent(out_stats) if out_stats is not None
+                        else 4 * math.prod(self.stats_shape))
         if fmt == MAXSUM:
             self.log2_scale, export_scale = None, _LN2
         else:
@@ -183,22 +217,32 @@ class _LayoutPlan:
         self.kernel, self.cacheable = None, True
         if rows:
             facts = device_facts(device)
-            config, self.cacheable = _dispatch.choose_for_plan(facts, device, head_dim, partial_o.dtype, out_dtype,
-                                             fmt, num_splits, rows, kv_split or None)
+            scattered = scattered_stats(fmt == MAXSUM, row_shape,
+                                        stats.stride()[1:1 + len(row_shape)])
+            config, self.cacheable = _dispatch.choose_for_plan(
+                facts, device, head_dim, partial_o.dtype, out_dtype, fmt, num_splits, rows,
+                kv_split or None, scattered)
+            if stats_in_place:
+                config = in_place_config(config, head_dim=head_dim,
+                                         elem_bytes=partial_o.dtype.itemsize, rows=rows,
+                                         num_splits=num_splits,
+                                         sm_count=facts.sm_count if facts.is_cuda else None)
             self.kernel = _kernel.Plan(config, fmt, partial_o, stats, out_like, sinks,
                                        export_scale, sm_count=facts.sm_count,
-                                       pdl=_dispatch.pdl_enabled())
+                                       pdl=_dispatch.pdl_enabled(), out_stats=out_stats,
+                                       empty_stat=empty_stat, stats_in_place=stats_in_place)
 
 
 def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
     elem = partial_o.dtype.itemsize
-    num_splits, rows, _ = partial_o.shape
-    for dim, size, stride in ((0, num_splits, partial_o.stride(0)), (1, rows, partial_o.stride(1))):
-        if size > 1 and (stride * elem) % 16:
-            raise ValueError(f"partial_o: stride {stride} of dim {dim} is not a "
+    shape, strides = partial_o.shape, partial_o.stride()
+    for dim in range(len(shape) - 1):
+        if shape[dim] > 1 and (strides[dim] * elem) % 16:
+            raise ValueError(f"partial_o: stride {strides[dim]} of dim {dim} is not a "
                              "multiple of 16 bytes")
     store_bytes = 16 // elem * out_dtype.itemsize
-    if out is not None and rows > 1 and (out.stride(0) * out_dtype.itemsize) % store_bytes:
+    if out is not None and any(size > 1 and (stride * out_dtype.itemsize) % store_bytes
+                               for size, stride in zip(out.shape[:-1], out.stride()[:-1])):
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 
@@ -281,10 +325,10 @@ def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_count
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
     if _is_compiling():  # traced: the custom op runs the eager path with real tensors
         out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
-        rows, head_dim = partial_o.shape[1:]
+        row_shape = tuple(partial_o.shape[1:-1])
         if out is None:
-            out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
-        out_stats = (partial_o.new_empty((rows, 2) if fmt == MAXSUM else (rows,),
+            out = partial_o.new_empty(tuple(partial_o.shape[1:]), dtype=out_dtype)
+        out_stats = (partial_o.new_empty(row_shape + ((2,) if fmt == MAXSUM else ()),
                                          dtype=torch.float32) if return_stats else None)
         op = merge_maxsum_out if fmt == MAXSUM else merge_lse_out
         op(partial_o, stats, float(scalar), sinks, split_counts, out, out_stats, kv_split or 0)

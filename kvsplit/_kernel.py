@@ -72,7 +72,7 @@ class Plan:
                  stats: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
                  export_scale: float, *, sm_count: int | None = None, pdl: bool = False,
                  out_stats: torch.Tensor | None = None, empty_stat: float | None = None,
-                 stats_in_place: bool = False):
+                 stats_in_place: bool = False, row_mask_stride: int = 1):
         params = _ext.MergeParams()
         row_shape = tuple(partial_o.shape[1:-1])
         rank = len(row_shape)
@@ -99,6 +99,7 @@ class Plan:
         if empty_stat is not None:
             params.empty_stat = empty_stat
         params.stats_in_place = stats_in_place
+        params.row_mask_stride = row_mask_stride
         target = _ext.CudaTarget()
         device = partial_o.device
         self.is_cuda = device.type == "cuda"

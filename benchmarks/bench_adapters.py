@@ -28,7 +28,7 @@ from kvsplit.compat import flash_attn, flashinfer, vllm
 ROWS = [(1, 16), (1, 128), (16, 16), (64, 128)]  # (tokens, heads)
 HEAD_DIMS = (128, 512)
 NUM_SPLITS = (2, 16, 264)
-BUDGET_S = 200.0  # the device run is short: stop adding shapes past this
+BUDGET_S = 150.0  # the device run is short: stop adding shapes past this
 
 
 def _launches(tokens: int, heads: int, head_dim: int, n: int):

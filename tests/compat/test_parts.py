@@ -98,3 +98,11 @@ def test_the_tuner_profiles_a_scattered_key():
     assert key.stats_format == "lse:scattered"
     record = tuner.tune(key, torch.device("cpu"), configs=configs_for_key(key, is_cuda=False))
     assert record.key == key
+
+
+def test_an_in_place_call_keeps_each_row_in_one_cta():
+    from kvsplit.config import KernelConfig
+    from kvsplit.dispatch.constraints import in_place_config
+    rules = dict(head_dim=128, elem_bytes=2, rows=64, num_splits=64, sm_count=132)
+    assert in_place_config(KernelConfig.dsplit(4, 8, 4), **rules) == KernelConfig.dsplit(1, 32, 4)
+    assert in_place_config(KernelConfig.kvsplit(4), **rules) == KernelConfig.kvsplit(4)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _kernel
-from ..config import BASELINE, STATS_FORMAT_CODES, KernelConfig
+from ..config import BASELINE, STATS_FORMAT_CODES, KernelConfig, split_stats_format
 from ..db import CandidateResult, TuningPolicy, TuningRecord
 from ..db.transfer import tool_version
 from ..reference import random_partials
@@ -89,6 +89,11 @@ def simplicity(config: KernelConfig) -> tuple[int, int, int, int]:
     return (config.kv_split * config.slices, config.family_code, config.slices, config.depth)
 
 
+#: Floats between the stats of adjacent rows in scattered scratch: a 32-byte sector each,
+#: as a head-major LSE of 8 or more tokens has them.
+SCATTERED_ROW_FLOATS = 8
+
+
 class _Scratch:
     """Random, self-consistent inputs of the key's shape on ``device``, and a plan per candidate."""
 
@@ -97,22 +102,30 @@ class _Scratch:
         # would dominate the first-use tuning time.
         g = torch.Generator(device).manual_seed(seed)
         self.key = key
-        self.stats_format = STATS_FORMAT_CODES[key.stats_format]
+        stats_format, scattered = split_stats_format(key.stats_format)
+        self.stats_format = STATS_FORMAT_CODES[stats_format]
+        self.maxsum = stats_format == "maxsum"
         self.device = device
         self.sets = []
         for _ in range(copies):
             o, stats = random_partials(key.num_splits, key.rows, key.head_dim,
-                                       stats_format=key.stats_format, generator=g)
+                                       stats_format=stats_format, generator=g)
+            if scattered:  # each row's stats in a 32-byte sector of their own
+                spread = torch.empty(key.num_splits, key.rows, SCATTERED_ROW_FLOATS,
+                                     device=stats.device)
+                width = 2 if self.maxsum else 1
+                spread[..., :width] = stats.reshape(key.num_splits, key.rows, width)
+                stats = spread[..., :width].squeeze(-1) if width == 1 else spread[..., :2]
             out = torch.empty(key.rows, key.head_dim, dtype=_DTYPES[key.out_dtype], device=device)
-            self.sets.append((o.to(device, _DTYPES[key.partial_dtype]), stats.to(device), out))
+            self.sets.append((o.to(device, _DTYPES[key.partial_dtype]),
+                              stats if stats.device == device else stats.to(device), out))
 
     def plan(self, candidate: Candidate) -> _kernel.Plan:
         """The launch of ``candidate`` on these sets (the config that is recorded, whatever
         KVSPLIT_* says)."""
         o, stats, out = self.sets[0]
-        maxsum = self.key.stats_format == "maxsum"
         return _kernel.Plan(candidate, self.stats_format, o, stats, out, None,
-                            math.log(2.0) if maxsum else 1.0)
+                            math.log(2.0) if self.maxsum else 1.0)
 
     def run(self, plan: _kernel.Plan, index: int = 0) -> torch.Tensor:
         o, stats, out = self.sets[index % len(self.sets)]

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -100,6 +101,43 @@ MergeParams with_addresses(const MergeParams& base, uintptr_t partial_o, uintptr
 // ones finish before a release and re-acquire would.
 constexpr int64_t kReleaseGilElements = int64_t{1} << 16;
 
+// A RowStrides field as a (batch, token, head) tuple.
+void def_row_strides(py::class_<MergeParams>& cls, const char* name,
+                     kvsplit::RowStrides MergeParams::*field) {
+  cls.def_property(
+      name,
+      [field](const MergeParams& p) {
+        const auto& r = p.*field;
+        return py::make_tuple(r.batch, r.token, r.head);
+      },
+      [field](MergeParams& p, const std::tuple<int64_t, int64_t, int64_t>& value) {
+        p.*field = {std::get<0>(value), std::get<1>(value), std::get<2>(value)};
+      });
+}
+
+// A launch whose split strides and row mask are per call: partials held in
+// separate tensors (the split stride is the distance between them) and
+// FlashInfer's in-place mask.
+MergeParams with_call(const MergeParams& base, uintptr_t partial_o, uintptr_t stats,
+                      uintptr_t split_counts, uintptr_t sinks, uintptr_t out,
+                      uintptr_t out_stats, uintptr_t row_mask, float log2_scale,
+                      int64_t o_stride_split, int64_t stats_stride_split) {
+  MergeParams p = with_addresses(base, partial_o, stats, split_counts, sinks, out, out_stats,
+                                 log2_scale);
+  p.row_mask = as_pointer<const uint8_t>(row_mask);
+  p.o_stride_split = o_stride_split;
+  p.stats_stride_split = stats_stride_split;
+  return p;
+}
+
+Status merge_cpu_released(const MergeParams& p, const KernelConfig& config) {
+  if (p.rows * p.num_splits * p.head_dim >= kReleaseGilElements) {
+    py::gil_scoped_release release;
+    return kvsplit::merge_cpu(p, config);
+  }
+  return kvsplit::merge_cpu(p, config);
+}
+
 template <typename Enum>
 void def_enum_field(py::class_<MergeParams>& cls, const char* name, Enum MergeParams::*field) {
   cls.def_property(
@@ -158,14 +196,7 @@ PyObject* merge_cpu_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return guarded([&] {
     const MergeParams p = with_addresses(launch->params, a[0], a[1], a[2], a[3], a[4], a[5],
                                          log2_scale);
-    Status status;
-    if (p.rows * p.num_splits * p.head_dim >= kReleaseGilElements) {
-      py::gil_scoped_release release;
-      status = kvsplit::merge_cpu(p, launch->config);
-    } else {
-      status = kvsplit::merge_cpu(p, launch->config);
-    }
-    raise_for(status);
+    raise_for(merge_cpu_released(p, launch->config));
   });
 }
 
@@ -268,12 +299,17 @@ PYBIND11_MODULE(_ext, m) {
       .def_readwrite("num_splits", &MergeParams::num_splits)
       .def_readwrite("rows", &MergeParams::rows)
       .def_readwrite("heads", &MergeParams::heads)
+      .def_readwrite("seqlen", &MergeParams::seqlen)
       .def_readwrite("o_stride_split", &MergeParams::o_stride_split)
-      .def_readwrite("o_stride_row", &MergeParams::o_stride_row)
       .def_readwrite("stats_stride_split", &MergeParams::stats_stride_split)
-      .def_readwrite("stats_stride_row", &MergeParams::stats_stride_row)
-      .def_readwrite("out_stride_row", &MergeParams::out_stride_row)
-      .def_readwrite("export_scale", &MergeParams::export_scale);
+      .def_readwrite("row_mask_stride", &MergeParams::row_mask_stride)
+      .def_readwrite("export_scale", &MergeParams::export_scale)
+      .def_readwrite("empty_stat", &MergeParams::empty_stat)
+      .def_readwrite("stats_in_place", &MergeParams::stats_in_place);
+  def_row_strides(params, "o_row", &MergeParams::o_row);
+  def_row_strides(params, "stats_row", &MergeParams::stats_row);
+  def_row_strides(params, "out_row", &MergeParams::out_row);
+  def_row_strides(params, "out_stats_row", &MergeParams::out_stats_row);
   def_enum_field(params, "partial_dtype", &MergeParams::partial_dtype);
   def_enum_field(params, "out_dtype", &MergeParams::out_dtype);
   def_enum_field(params, "stats_format", &MergeParams::stats_format);
@@ -320,6 +356,30 @@ PYBIND11_MODULE(_ext, m) {
     m.add_object(def.ml_name,
                  py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
   }
+  m.def(
+      "merge_cpu_call",
+      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
+         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, uintptr_t row_mask, float log2_scale,
+         int64_t o_stride_split, int64_t stats_stride_split) {
+        raise_for(merge_cpu_released(
+            with_call(launch.params, partial_o, stats, split_counts, sinks, out, out_stats,
+                      row_mask, log2_scale, o_stride_split, stats_stride_split),
+            launch.config));
+      },
+      "merge_cpu with a row mask and this call's split strides");
+  m.def(
+      "merge_cuda_call",
+      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
+         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, uintptr_t row_mask, float log2_scale,
+         int64_t o_stride_split, int64_t stats_stride_split, uintptr_t stream) {
+        CudaTarget target = launch.target;
+        target.stream = as_pointer<void>(stream);
+        raise_for(kvsplit::merge_cuda(
+            with_call(launch.params, partial_o, stats, split_counts, sinks, out, out_stats,
+                      row_mask, log2_scale, o_stride_split, stats_stride_split),
+            launch.config, target));
+      },
+      "merge_cuda with a row mask and this call's split strides");
 
 #if defined(KVSPLIT_WITH_CUDA)
   m.def("launch_noop", [](int grid, uintptr_t stream) {

@@ -46,14 +46,14 @@ void store_elem(void* base, int64_t offset, float value) {
 // slots at or past `live` are padding (re-read `last`, weight 0).
 template <int kDepth, int kHeadDim, DType kPartial>
 void merge_batch_at(MergeState<kHeadDim>& state, const MergeParams& p, StatsFormat format,
-                    int64_t row, int first, int kv_split, int live, int last) {
+                    const RowIndex& row, int first, int kv_split, int live, int last) {
   float m_in[kDepth], l_in[kDepth], o_in[kDepth][kHeadDim];
   for (int u = 0; u < kDepth; ++u) {
     const int64_t split = u < live ? first + u * kv_split : last;
-    const float* stat = p.stats + split * p.stats_stride_split + row * p.stats_stride_row;
+    const float* stat = p.stats + split * p.stats_stride_split + p.stats_row.at(row);
     l_in[u] = format == StatsFormat::kMaxSum ? stat[1] : 1.f;
-    m_in[u] = u < live ? stat[0] * p.log2_scale : neg_inf();
-    const int64_t base = split * p.o_stride_split + row * p.o_stride_row;
+    m_in[u] = u < live && stat[0] != p.empty_stat ? stat[0] * p.log2_scale : neg_inf();
+    const int64_t base = split * p.o_stride_split + p.o_row.at(row);
     for (int d = 0; d < kHeadDim; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
   }
   state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; });
@@ -64,7 +64,7 @@ void merge_batch_at(MergeState<kHeadDim>& state, const MergeParams& p, StatsForm
 // of count / depth first, then rounds of depth).
 template <int kHeadDim, DType kPartial>
 void merge_group(MergeState<kHeadDim>& state, const MergeParams& p, const KernelConfig& config,
-                 int64_t row, int group, int num_splits) {
+                 const RowIndex& row, int group, int num_splits) {
   const int k = config.kv_split;
   const int count = (num_splits - group + k - 1) / k;
   const int last = group + (count - 1) * k;
@@ -141,26 +141,30 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
   std::vector<State> groups(config.kv_split);
 
   for (int64_t row = row_begin; row < row_end; ++row) {
+    const RowIndex at = split_row(p, row);
+    if (!row_selected(p, at)) continue;
     int num_splits = static_cast<int>(p.num_splits);
     if (p.split_counts != nullptr) num_splits = std::clamp(p.split_counts[row], 0, num_splits);
     for (int group = 0; group < config.kv_split; ++group) {
       groups[group].reset();
       if (group < num_splits) {
-        merge_group<kHeadDim, kPartial>(groups[group], p, config, row, group, num_splits);
+        merge_group<kHeadDim, kPartial>(groups[group], p, config, at, group, num_splits);
       }
     }
     combine_groups(groups, config, lanes);
     State& state = groups[0];
-    const float sink_log2 = p.sinks != nullptr ? p.sinks[row % p.heads] * kLog2E : neg_inf();
+    const float sink_log2 = p.sinks != nullptr ? p.sinks[at.head] * kLog2E : neg_inf();
     float out[kHeadDim], log2_total;
     const float total = state.finalize(sink_log2, out, log2_total);
-    for (int d = 0; d < kHeadDim; ++d) store_elem<kOut>(p.out, row * p.out_stride_row + d, out[d]);
+    const int64_t out_base = p.out_row.at(at);
+    for (int d = 0; d < kHeadDim; ++d) store_elem<kOut>(p.out, out_base + d, out[d]);
     if (p.out_stats != nullptr) {
+      float* stats = p.out_stats + p.out_stats_row.at(at);
       if (format == StatsFormat::kMaxSum) {
-        p.out_stats[2 * row] = state.m * p.export_scale;
-        p.out_stats[2 * row + 1] = total;
+        stats[0] = state.m * p.export_scale;
+        stats[1] = total;
       } else {
-        p.out_stats[row] = log2_total * p.export_scale;
+        stats[0] = log2_total * p.export_scale;
       }
     }
   }
@@ -171,6 +175,7 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
 Status merge_cpu(const MergeParams& params, const KernelConfig& config) {
   Status status = check_problem(params);
   if (status.ok()) status = check_config(config, params.head_dim, elem_bytes(params.partial_dtype));
+  if (status.ok()) status = check_call(params, config);
   if (!status.ok() || params.rows == 0) return status;
   const int lanes = config.family == Family::kDSplit
                         ? dsplit_lanes(params.head_dim, elem_bytes(params.partial_dtype),

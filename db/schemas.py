@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from ..config import BASELINE, KernelConfig
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-StatsFormat = Literal["maxsum", "lse"]
+# A key's stats format, with ":scattered" when the stats of adjacent rows are
+# not adjacent in memory (vLLM's and FlashAttention's head-major LSE): one
+# 32-byte sector per row instead of one per band changes what is fastest.
+StatsFormat = Literal["maxsum", "lse", "maxsum:scattered", "lse:scattered"]
 L2State = Literal["warm", "cold"]
 ImportRule = Literal["newer", "replace", "keep"]
 

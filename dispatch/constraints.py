@@ -116,6 +116,19 @@ def constrain_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, ro
                                     num_splits=num_splits, sm_count=sm_count, max_split=max_split))
 
 
+def in_place_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, rows: int,
+                    num_splits: int, sm_count: int | None) -> KernelConfig:
+    """``config`` for a call that exports its stats into split 0's (an in-place merge):
+    a row must stay inside one CTA, so a DSplit row's slices become more groups of one
+    CTA (the kernel layer refuses slices > 1 there)."""
+    if config.family != DSPLIT or config.slices == 1:
+        return config
+    groups = min(config.kv_split * config.slices, max(DSPLIT_KV_SPLITS))
+    return constrain_config(KernelConfig.dsplit(1, groups, config.depth), head_dim=head_dim,
+                            elem_bytes=elem_bytes, rows=rows, num_splits=num_splits,
+                            sm_count=sm_count)
+
+
 def valid_configs(*, head_dim: int, elem_bytes: int, rows: int, num_splits: int,
                   sm_count: int | None, max_split: int | None = None,
                   families: tuple[str, ...] = (KVSPLIT, DSPLIT)) -> list[KernelConfig]:

@@ -158,17 +158,21 @@ class Dispatcher:
     # -- hot path ---------------------------------------------------------------------------
     def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
                partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
-               num_splits: int, rows: int, forced: int | None) -> KernelConfig:
+               num_splits: int, rows: int, forced: int | None,
+               scattered: bool = False) -> KernelConfig:
         return self.choose_for_plan(facts, device, head_dim, partial_dtype, out_dtype,
-                                    stats_format, num_splits, rows, forced)[0]
+                                    stats_format, num_splits, rows, forced, scattered)[0]
 
     def choose_for_plan(self, facts: DeviceFacts, device: torch.device, head_dim: int,
                         partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
-                        num_splits: int, rows: int,
-                        forced: int | None) -> tuple[KernelConfig, bool]:
-        """The config and whether it is cached (a plan that holds it may be kept)."""
+                        num_splits: int, rows: int, forced: int | None,
+                        scattered: bool = False) -> tuple[KernelConfig, bool]:
+        """The config and whether it is cached (a plan that holds it may be kept).
+
+        ``scattered``: the stats of adjacent rows are apart (see keys.py's layout class).
+        """
         fast_key = (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows,
-                    forced, _read_environment())
+                    forced, _read_environment(), scattered)
         config = self._fast.get(fast_key)
         if config is not None:
             return config, True
@@ -178,14 +182,14 @@ class Dispatcher:
     # -- slow path --------------------------------------------------------------------------
     def explain(self, facts: DeviceFacts, head_dim: int, partial_dtype: torch.dtype,
                 out_dtype: torch.dtype, stats_format: int, num_splits: int, rows: int,
-                forced: int | None = None) -> Decision | None:
+                forced: int | None = None, scattered: bool = False) -> Decision | None:
         """The decision behind the cached choice for this shape, if it was made."""
         return self._decisions.get((facts, head_dim, partial_dtype, out_dtype, stats_format,
-                                    num_splits, rows, forced, _read_environment()))
+                                    num_splits, rows, forced, _read_environment(), scattered))
 
     def _slow(self, fast_key: tuple, device: torch.device) -> Decision:
         (facts, head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows, forced,
-         environment) = fast_key
+         environment, scattered) = fast_key
         mode, max_split_raw, db_url, _ = (_text(raw) for raw in environment)
         mode, fixed, max_split = read_settings(mode, max_split_raw)
 
@@ -206,7 +210,7 @@ class Dispatcher:
         else:
             decision = self._lookup(facts, device, head_dim, partial_dtype, out_dtype,
                                     stats_format, num_splits, rows, mode, max_split, db_url,
-                                    capturing, constrained)
+                                    capturing, constrained, scattered)
         if decision.source != "capture":
             with self._lock:
                 self._fast[fast_key] = decision.config
@@ -214,9 +218,11 @@ class Dispatcher:
         return decision
 
     def _lookup(self, facts, device, head_dim, partial_dtype, out_dtype, stats_format,
-                num_splits, rows, mode, max_split, db_url, capturing, constrained) -> Decision:
+                num_splits, rows, mode, max_split, db_url, capturing, constrained,
+                scattered=False) -> Decision:
         key = tuning_key(facts, build_hash(facts.is_cuda), head_dim, dtype_name(partial_dtype),
-                         dtype_name(out_dtype), STATS_FORMATS[stats_format], num_splits, rows)
+                         dtype_name(out_dtype), STATS_FORMATS[stats_format], num_splits, rows,
+                         scattered)
         stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
         if stored is not None:
             return Decision(constrained(stored), "database", key)

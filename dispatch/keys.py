@@ -13,16 +13,37 @@ The DSplit family's best group count follows rows and num_splits closely
 to 12 % on an H200 at shapes the tuning grid did not see.
 The tuner profiles the bucket's own value (its upper end), and the
 constraints are always re-applied with the caller's exact shape.
+
+Layout class: a call whose stats of adjacent rows are not adjacent in memory
+(a head-major LSE: vLLM, FlashAttention) reads one 32-byte sector per row
+where a split-major call reads one per band of rows, so it is keyed apart,
+as stats format ``"lse:scattered"`` (``"maxsum:scattered"``). How partials
+or outputs are strided does not change what a thread group reads (16 bytes
+of one row per thread either way), so it is not part of the key.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import SCATTERED
 from ..db import DeviceInfo, TuningKey
 from .device import DeviceFacts
 
 STATS_FORMATS = {0: "maxsum", 1: "lse"}
+
+
+def scattered_stats(maxsum: bool, row_shape, row_strides) -> bool:
+    """Whether the stats of adjacent rows (the innermost row dim of size > 1) are apart."""
+    for size, stride in zip(reversed(tuple(row_shape)), reversed(tuple(row_strides))):
+        if size > 1:
+            return stride > (2 if maxsum else 1)
+    return False
+
+
+def key_stats_format(stats_format: str, scattered: bool) -> str:
+    """The key's stats format field: ``"lse"`` or ``"lse:scattered"`` (likewise maxsum)."""
+    return stats_format + SCATTERED if scattered else stats_format
 
 
 def _round_up(value: int, per_octave: int, min_step: int) -> int:
@@ -54,8 +75,10 @@ def device_info(facts: DeviceFacts):
 
 
 def tuning_key(facts: DeviceFacts, build_hash: str, head_dim: int, partial_dtype: str,
-               out_dtype: str, stats_format: str, num_splits: int, rows: int):
+               out_dtype: str, stats_format: str, num_splits: int, rows: int,
+               scattered: bool = False):
     """The database key of a call, with rows and num_splits bucketed."""
     return TuningKey(device=device_info(facts), build_hash=build_hash, head_dim=head_dim,
-                     partial_dtype=partial_dtype, out_dtype=out_dtype, stats_format=stats_format,
+                     partial_dtype=partial_dtype, out_dtype=out_dtype,
+                     stats_format=key_stats_format(stats_format, scattered),
                      num_splits=bucket_num_splits(num_splits), rows=bucket(rows))

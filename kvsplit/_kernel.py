@@ -10,6 +10,7 @@ layer checks the config again at every launch and reports a bad one as a
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -39,30 +40,72 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def row_strides(row_shape, strides, heads: int) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a tensor's row dims (see params.h's RowIndex).
+
+    ``row_shape`` is (rows,), (tokens, heads) or (batch, seqlen, heads) and
+    ``strides`` the strides of those dims; a flat (rows,) is ``heads`` rows a token.
+    """
+    if len(row_shape) == 1:
+        return (heads * strides[0], 0, strides[0])
+    if len(row_shape) == 2:
+        return (strides[0], 0, strides[1])
+    return tuple(strides)
+
+
 class Plan:
     """A launch of one call layout: ``Plan(...).launch(addresses..., log2_scale)``.
 
-    ``partial_o`` (num_splits, rows, head_dim), ``stats`` (num_splits, rows[, 2]),
-    ``out`` (rows, head_dim) and ``sinks`` (heads,) give the sizes, strides and
-    dtypes; their addresses are not kept. CUDA launches go to the tensors'
-    device and to that device's current stream at launch time.
+    ``partial_o`` (num_splits, *rows, head_dim), ``stats`` (num_splits, *rows[, 2]),
+    ``out`` (*rows, head_dim) and ``sinks`` (heads,) give the sizes, strides and
+    dtypes, where ``rows`` is (rows,), (tokens, heads) or (batch, seqlen, heads);
+    ``out_stats`` gives the exported stats' strides (contiguous if None). Their
+    addresses are not kept. CUDA launches go to the tensors' device and to that
+    device's current stream at launch time.
     """
 
     __slots__ = ("config", "native", "is_cuda", "device_index")
 
     def __init__(self, config: KernelConfig, stats_format: int, partial_o: torch.Tensor,
                  stats: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
-                 export_scale: float, *, sm_count: int | None = None, pdl: bool = False):
+                 export_scale: float, *, sm_count: int | None = None, pdl: bool = False,
+                 out_stats: torch.Tensor | None = None, empty_stat: float | None = None,
+                 stats_in_place: bool = False, row_mask_stride: int = 1):
         params = _ext.MergeParams()
-        params.num_splits, params.rows, params.head_dim = partial_o.shape
+        row_shape = tuple(partial_o.shape[1:-1])
+        rank = len(row_shape)
+        params.num_splits, params.head_dim = partial_o.shape[0], partial_o.shape[-1]
+        params.rows = math.prod(row_shape)
         params.partial_dtype = TORCH_DTYPE_CODES[partial_o.dtype]
         params.out_dtype = TORCH_DTYPE_CODES[out.dtype]
         params.stats_format = stats_format
-        params.heads = sinks.numel() if sinks is not None else 1
-        params.o_stride_split, params.o_stride_row = partial_o.stride()[:2]
-        params.stats_stride_split, params.stats_stride_row = stats.stride()[:2]
-        params.out_stride_row = out.stride(0)
+        if rank == 1:
+            heads = sinks.numel() if sinks is not None else 1
+        else:
+            heads = row_shape[-1]
+        params.heads = heads
+        params.seqlen = row_shape[1] if rank == 3 else 1
+        params.o_stride_split = partial_o.stride(0)
+        params.o_row = row_strides(row_shape, partial_o.stride()[1:1 + rank], heads)
+        params.stats_stride_split = stats.stride(0)
+        params.stats_row = row_strides(row_shape, stats.stride()[1:1 + rank], heads)
+        params.out_row = row_strides(row_shape, out.stride()[:rank], heads)
+        exported = (out_stats.stride() if out_stats is not None
+                    else _contiguous_strides(stats.shape[1:]))
+        params.out_stats_row = row_strides(row_shape, exported[:rank], heads)
         params.export_scale = export_scale
+        if empty_stat is not None:
+            params.empty_stat = empty_stat
+        params.stats_in_place = stats_in_place
+        params.row_mask_stride = row_mask_stride
         target = _ext.CudaTarget()
         device = partial_o.device
         self.is_cuda = device.type == "cuda"
@@ -72,6 +115,20 @@ class Plan:
             target.sm_count = sm_count or _sm_count(device.index)
         self.config = config
         self.native = _ext.Launch(params, config.native(), target)
+
+    def launch_call(self, partial_o: int, stats: int, split_counts: int, sinks: int, out: int,
+                    out_stats: int, row_mask: int, log2_scale: float, o_stride_split: int,
+                    stats_stride_split: int) -> None:
+        """:meth:`launch` with a row mask address and this call's split strides
+        (elements of partial_o, floats of stats): partials in separate tensors."""
+        if self.is_cuda:
+            _ext.merge_cuda_call(self.native, partial_o, stats, split_counts, sinks, out,
+                                 out_stats, row_mask, log2_scale, o_stride_split,
+                                 stats_stride_split, current_stream(self.device_index))
+        else:
+            _ext.merge_cpu_call(self.native, partial_o, stats, split_counts, sinks, out,
+                                out_stats, row_mask, log2_scale, o_stride_split,
+                                stats_stride_split)
 
     def launch(self, partial_o: int, stats: int, split_counts: int, sinks: int, out: int,
                out_stats: int, log2_scale: float) -> None:

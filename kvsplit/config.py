@@ -47,6 +47,18 @@ _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 DTYPE_PAIRS: tuple[tuple[str, str], ...] = tuple(
     (_DTYPE_NAMES[a], _DTYPE_NAMES[b]) for a, b in _ext.DTYPE_PAIRS)
 
+#: A tuning key's stats format is the kernel's format, or it with this suffix
+#: for the layout class whose stats of adjacent rows are apart (dispatch/keys.py).
+SCATTERED = ":scattered"
+
+
+def split_stats_format(field: str) -> tuple[str, bool]:
+    """A key's stats format field -> (kernel format name, scattered): ``"lse:scattered"``
+    -> ``("lse", True)``."""
+    base, _, layout = field.partition(":")
+    return base, bool(layout)
+
+
 BASELINE_FAMILY = "kvsplit"
 BASELINE_PARAMS: dict[str, int] = {"kv_split": 1}
 

@@ -1,11 +1,13 @@
 """The public merge functions: validate once per layout, allocate, launch.
 
 The first call of a layout (every tensor's dtype, shape, strides and device,
-the scalars and the ``KVSPLIT_*`` variables) validates it in full, asks the
-dispatcher for the kernel config and keeps a launch plan for it. Every
-later call of that layout reads the same metadata again to find the plan,
-so a call whose tensors changed in any way is validated again; what depends
-on addresses (alignment, aliasing) is checked on every call.
+the scalars and the ``KVSPLIT_*`` variables) validates it in full
+(:mod:`kvsplit.layout`), asks the dispatcher for the kernel config and keeps a
+launch plan for it. Every later call of that layout reads the same metadata
+again to find the plan, so a call whose tensors changed in any way is
+validated again; what depends on addresses (alignment, aliasing) is checked on
+every call. Parts held in separate tensors (a list) go through
+:func:`kvsplit._call.merge_call`, the adapters' entry.
 
 Both functions are also registered as ``torch.library`` custom ops
 (``kvsplit::merge_maxsum_out`` and ``kvsplit::merge_lse_out``, which write
@@ -15,194 +17,17 @@ into CUDA graphs. Eager calls skip the op dispatcher.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Optional
 
 import torch
 
 from . import _kernel
-from .config import DTYPE_PAIRS, HEAD_DIMS, STATS_FORMAT_CODES, has_cuda_kernels
-from .dispatch import dispatcher as _dispatch
-from .dispatch.device import device_facts
+from ._call import merge_call
+from .layout import (_FLOAT32_MAX, _LN2, LSE, MAXSUM, _check_scalar, _is_compiling, _LayoutPlan,
+                     _plans, _read_environment, _stats_name, _validate)
 
-MAXSUM, LSE = STATS_FORMAT_CODES["maxsum"], STATS_FORMAT_CODES["lse"]
-_LN2 = math.log(2.0)
-_LOG2E = 1.0 / _LN2
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-_STATS_DTYPES = (torch.float32,)
-_COUNT_DTYPES = (torch.int32,)
-# partial dtype -> the output dtypes compiled for it (the first is the default).
-_OUT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {}
-for _partial, _out in DTYPE_PAIRS:
-    _OUT_DTYPES.setdefault(getattr(torch, _partial), ())
-    _OUT_DTYPES[getattr(torch, _partial)] += (getattr(torch, _out),)
-for _partial, _outs in _OUT_DTYPES.items():  # 16-bit partials produce their own dtype
-    _OUT_DTYPES[_partial] = tuple(sorted(_outs, key=lambda d: (d != _partial, str(d))))
-_PARTIAL_DTYPES = tuple(_OUT_DTYPES)
-_KV_SPLITS = _dispatch.KV_SPLITS
-_plans = _dispatch.dispatcher.plans
-_read_environment = _dispatch.read_environment
 _merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
 _current_stream = _kernel.current_stream
-_is_compiling = torch.compiler.is_compiling
-
-
-def _is_real(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real)
-
-
-def _type_error(name: str, value: object) -> TypeError:
-    return TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-
-
-def _dtype_error(name: str, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> TypeError:
-    allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-    return TypeError(f"{name} must have dtype {allowed}; got {str(dtype).removeprefix('torch.')}")
-
-
-def _check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...],
-                  shape: tuple[int, ...], device: torch.device, unit_dim: Optional[int]) -> None:
-    """Type, dtype, shape, device and unit stride of one argument."""
-    if not isinstance(value, torch.Tensor):
-        raise _type_error(name, value)
-    if value.dtype not in dtypes:
-        raise _dtype_error(name, value.dtype, dtypes)
-    if value.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but partial_o is on {device}")
-    if unit_dim is not None and shape[unit_dim] > 1 and value.stride(unit_dim) != 1:
-        raise ValueError(f"{name} must have unit stride on dim {unit_dim}, "
-                         f"got strides {value.stride()}")
-
-
-def _check_scalar(fmt: int, scalar: object) -> None:
-    if fmt == MAXSUM:
-        if type(scalar) is not float and not _is_real(scalar):
-            raise TypeError(f"scale_log2 must be a real number, got {type(scalar).__name__}")
-        if not (math.isfinite(scalar) and 0 < scalar <= _FLOAT32_MAX):
-            raise ValueError(f"scale_log2 must be positive and finite in float32, got {scalar}")
-    else:
-        if type(scalar) is not float and not _is_real(scalar):
-            raise TypeError(f"base must be 2.0 or math.e, got {type(scalar).__name__}")
-        if scalar not in (2.0, math.e):
-            raise ValueError(f"base must be 2.0 or math.e, got {scalar}")
-
-
-def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split) -> torch.dtype:
-    """Checks what needs no memory address; returns the output dtype."""
-    _check_scalar(fmt, scalar)
-    if not isinstance(partial_o, torch.Tensor):
-        raise _type_error("partial_o", partial_o)
-    dtype = partial_o.dtype
-    if dtype not in _OUT_DTYPES:
-        raise _dtype_error("partial_o", dtype, _PARTIAL_DTYPES)
-    shape = partial_o.shape
-    if len(shape) != 3:
-        raise ValueError(f"partial_o must be 3-D (num_splits, rows, head_dim), got {len(shape)}-D")
-    num_splits, rows, head_dim = shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"partial_o: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
-    if num_splits == 0 and rows > 0:
-        raise ValueError("partial_o has num_splits = 0 but rows > 0: nothing to merge")
-    if partial_o.stride(2) != 1:
-        raise ValueError(f"partial_o must have unit stride on dim 2, got strides {partial_o.stride()}")
-    device = partial_o.device
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"partial_o must be on a CPU or CUDA device, got {device}")
-
-    stats_tail = (2,) if fmt == MAXSUM else ()
-    _check_tensor(_stats_name(fmt), stats, _STATS_DTYPES, (num_splits, rows) + stats_tail, device,
-                  2 if stats_tail else None)
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor):
-            raise _type_error("sinks", sinks)
-        if sinks.dtype != torch.float32:
-            raise _dtype_error("sinks", sinks.dtype, _STATS_DTYPES)
-        if sinks.dim() != 1 or sinks.numel() == 0:
-            raise ValueError(f"sinks must be 1-D (heads,) with heads >= 1, got shape {tuple(sinks.shape)}")
-        if rows % sinks.numel():
-            raise ValueError(f"sinks: rows ({rows}) must be a multiple of heads ({sinks.numel()})")
-        _check_tensor("sinks", sinks, _STATS_DTYPES, tuple(sinks.shape), device, 0)
-    if split_counts is not None:
-        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, (rows,), device, 0)
-
-    if out is None:
-        out_dtype = _OUT_DTYPES[dtype][0]
-    else:
-        _check_tensor("out", out, _OUT_DTYPES[dtype], (rows, head_dim), device, 1)
-        out_dtype = out.dtype
-
-    if kv_split is not None:
-        if isinstance(kv_split, bool) or not isinstance(kv_split, numbers.Integral):
-            raise TypeError(f"kv_split must be an int or None, got {type(kv_split).__name__}")
-        if kv_split not in _KV_SPLITS:
-            raise ValueError(f"kv_split must be one of {_KV_SPLITS} or None, got {kv_split}")
-    if device.type == "cuda" and not has_cuda_kernels():
-        raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
-    return out_dtype
-
-
-def _stats_name(fmt: int) -> str:
-    return "partial_stats" if fmt == MAXSUM else "partial_lse"
-
-
-def _extent(tensor: Optional[torch.Tensor]) -> int:
-    """Bytes from a tensor's first to past its last element (0: empty or absent)."""
-    if tensor is None or not tensor.numel():
-        return 0
-    return (sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-            + 1) * tensor.dtype.itemsize
-
-
-class _LayoutPlan:
-    """What a layout's calls share: the launch plan and the byte extents and alignments."""
-
-    __slots__ = ("kernel", "native", "device_index", "rows", "out_shape", "out_dtype", "stats_shape", "device",
-                 "store_bytes", "extents", "log2_scale", "cacheable")
-
-    def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
-                 kv_split):
-        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
-        num_splits, rows, head_dim = partial_o.shape
-        _check_strides(partial_o, out, out_dtype)
-        device = partial_o.device
-        self.rows, self.device, self.out_dtype = rows, device, out_dtype
-        self.out_shape = (rows, head_dim)
-        self.stats_shape = (rows, 2) if fmt == MAXSUM else (rows,)
-        # Each thread stores the outputs of 16 bytes of partials in one access.
-        self.store_bytes = 16 // partial_o.dtype.itemsize * out_dtype.itemsize
-        out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
-                                                           device="meta")
-        self.extents = (_extent(partial_o), _extent(stats), _extent(split_counts), _extent(sinks),
-                        _extent(out_like), 4 * math.prod(self.stats_shape))
-        if fmt == MAXSUM:
-            self.log2_scale, export_scale = None, _LN2
-        else:
-            self.log2_scale = 1.0 if scalar == 2.0 else _LOG2E
-            export_scale = 1.0 if scalar == 2.0 else _LN2
-        self.kernel, self.native, self.device_index, self.cacheable = None, None, -1, True
-        if rows:
-            facts = device_facts(device)
-            config, self.cacheable = _dispatch.choose_for_plan(facts, device, head_dim, partial_o.dtype, out_dtype,
-                                             fmt, num_splits, rows, kv_split or None)
-            self.kernel = _kernel.Plan(config, fmt, partial_o, stats, out_like, sinks,
-                                       export_scale, sm_count=facts.sm_count,
-                                       pdl=_dispatch.pdl_enabled())
-            self.native, self.device_index = self.kernel.native, self.kernel.device_index
-
-
-def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
-    elem = partial_o.dtype.itemsize
-    num_splits, rows, _ = partial_o.shape
-    for dim, size, stride in ((0, num_splits, partial_o.stride(0)), (1, rows, partial_o.stride(1))):
-        if size > 1 and (stride * elem) % 16:
-            raise ValueError(f"partial_o: stride {stride} of dim {dim} is not a "
-                             "multiple of 16 bytes")
-    store_bytes = 16 // elem * out_dtype.itemsize
-    if out is not None and rows > 1 and (out.stride(0) * out_dtype.itemsize) % store_bytes:
-        raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 
 def _key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
@@ -296,10 +121,10 @@ def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_count
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
     if _is_compiling():  # traced: the custom op runs the eager path with real tensors
         out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
-        rows, head_dim = partial_o.shape[1:]
+        row_shape = tuple(partial_o.shape[1:-1])
         if out is None:
-            out = partial_o.new_empty((rows, head_dim), dtype=out_dtype)
-        out_stats = (partial_o.new_empty((rows, 2) if fmt == MAXSUM else (rows,),
+            out = partial_o.new_empty(tuple(partial_o.shape[1:]), dtype=out_dtype)
+        out_stats = (partial_o.new_empty(row_shape + ((2,) if fmt == MAXSUM else ()),
                                          dtype=torch.float32) if return_stats else None)
         op = merge_maxsum_out if fmt == MAXSUM else merge_lse_out
         op(partial_o, stats, float(scalar), sinks, split_counts, out, out_stats, kv_split or 0)
@@ -363,24 +188,28 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
 
     Parameters
     ----------
-    partial_o : Tensor (num_splits, rows, head_dim), bfloat16, float16 or float32
-        Unnormalised partial outputs O_i. Any strides on the first two dims
-        (multiples of 16 bytes), unit stride on head_dim, 16-byte aligned.
-        head_dim is 64, 128, 256 or 512. rows = tokens * heads, heads fastest.
-    partial_stats : Tensor (num_splits, rows, 2), float32
+    partial_o : Tensor (num_splits, rows, head_dim) or (num_splits, tokens, heads, head_dim),
+                or a list/tuple of num_splits tensors (rows, head_dim) / (tokens, heads, head_dim)
+        Unnormalised partial outputs O_i, bfloat16, float16 or float32. Any
+        strides on every dim but head_dim (multiples of 16 bytes), unit stride
+        on head_dim, 16-byte aligned. head_dim is 64, 128, 256 or 512.
+        rows = tokens * heads, heads fastest. Parts in separate tensors merge
+        without stacking: they must share dtype, shape and strides and lie
+        equally far apart in memory (always so for two).
+    partial_stats : Tensor (num_splits, *rows, 2), float32, or a list/tuple like partial_o
         (m_i, l_i): m_i the raw (unscaled) logit max of split i, and
         l_i = sum_j 2^(scale_log2 * (x_j - m_i)).
     scale_log2 : float
         Softmax scale times log2(e) (positive, finite).
     sinks : Tensor (heads,), float32, optional
-        Per-head attention-sink logits in natural-log units; the sink of row r
-        is sinks[r % heads].
-    split_counts : Tensor (rows,), int32, optional
+        Per-head attention-sink logits in natural-log units; the sink of a row
+        is sinks[head] (3-D calls: row r is head r % heads).
+    split_counts : Tensor (*rows), int32, contiguous, optional
         Partials per row; splits at or past the count are never read.
-    out : Tensor (rows, head_dim), optional
+    out : Tensor (*rows, head_dim), any strides but unit on head_dim, optional
         Output; bfloat16/float16 (the partials' dtype when they are 16-bit).
     return_stats : bool
-        Also return float32 (rows, 2) stats (M * scale_log2 / log2(e), L).
+        Also return float32 (*rows, 2) stats (M * scale_log2 / log2(e), L).
     kv_split : int, optional
         Force the KvSplit family with K in {1, 2, 4, 8, 16} (still halved to
         satisfy the kernel's constraints); None lets the dispatcher choose a
@@ -392,6 +221,10 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     non-empty split is 0 with stats (-inf, 0). No input may require grad
     while grad mode is on (there is no backward).
     """
+    if isinstance(partial_o, (list, tuple)):
+        return merge_call(MAXSUM, partial_o, partial_stats, scale_log2, sinks=sinks,
+                          split_counts=split_counts, out=out, return_stats=return_stats,
+                          kv_split=kv_split)
     return _merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
                   return_stats, kv_split)
 
@@ -402,9 +235,10 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
 
     Parameters
     ----------
-    partial_o : Tensor (num_splits, rows, head_dim), bfloat16, float16 or float32
+    partial_o : Tensor (num_splits, *rows, head_dim), or a list/tuple of parts
         Normalised partial outputs O_i (layout rules as in :func:`merge_maxsum`).
-    partial_lse : Tensor (num_splits, rows), float32
+    partial_lse : Tensor (num_splits, *rows), float32, any strides (a
+        head-major LSE is a view), or a list/tuple like partial_o
         lse_i of each split, in ``base``; -inf marks an empty split.
     base : float
         2.0 (FlashInfer, FlashMLA) or math.e (FlashAttention, vLLM).
@@ -414,12 +248,17 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     split_counts, out, kv_split
         As in :func:`merge_maxsum`.
     return_lse : bool
-        Also return the merged float32 (rows,) LSE, in ``base``.
+        Also return the merged float32 (*rows) LSE, in ``base``.
 
     Returns
     -------
     Tensor, or (Tensor, Tensor) with ``return_lse``. A row with no non-empty
     split is 0 with LSE -inf.
     """
+    if isinstance(partial_o, (list, tuple)):
+        return merge_call(LSE, partial_o, partial_lse, base, sinks=sinks,
+                          split_counts=split_counts, out=out, return_stats=return_lse,
+                          kv_split=kv_split)
     return _merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, return_lse,
                   kv_split)
+

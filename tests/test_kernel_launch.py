@@ -45,7 +45,7 @@ def test_a_cuda_launch_goes_to_the_tensors_device_and_its_current_stream(monkeyp
     assert (native.config.family, native.config.slices, native.config.kv_split,
             native.config.depth) == (config.family_code, 4, 16, 8)
     assert (native.params.rows, native.params.num_splits, native.params.head_dim) == (64, 16, 512)
-    assert (native.params.o_stride_split, native.params.o_stride_row) == (64 * 512, 512)
+    assert (native.params.o_stride_split, native.params.o_row) == (64 * 512, (512, 0, 512))
 
 
 def test_a_cpu_plan_never_asks_for_a_stream(monkeypatch):

@@ -175,7 +175,7 @@ def test_tensors_on_different_gpus(fmt, cuda_device):
 # --- shapes ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(ROWS, HEAD_DIM), (1, NUM_SPLITS, ROWS, HEAD_DIM), (HEAD_DIM,)])
+@pytest.mark.parametrize("shape", [(ROWS, HEAD_DIM), (1, 1, NUM_SPLITS, ROWS, HEAD_DIM), (HEAD_DIM,)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_partial_o_not_3d(fmt, shape):
     args = valid_args(fmt)

@@ -48,15 +48,25 @@ SHAPES = [(512, 64, 16), (512, 64, 132), (128, 32, 264), (512, 2048, 132), (512,
           (128, 32, 16), (128, 256, 132), (512, 512, 132), (128, 2048, 64)]
 
 
+class RowStrides(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("batch", "token", "head")]
+
+
 class Params(ctypes.Structure):
+    """params.h's MergeParams, field for field."""
+
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats")] + \
+                ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats",
+                 "row_mask")] + \
                [(name, ctypes.c_int32) for name in
                 ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
-               [(name, ctypes.c_int64) for name in
-                ("num_splits", "rows", "heads", "o_stride_split", "o_stride_row",
-                 "stats_stride_split", "stats_stride_row", "out_stride_row")] + \
-               [("log2_scale", ctypes.c_float), ("export_scale", ctypes.c_float)]
+               [(name, ctypes.c_int64) for name in ("num_splits", "rows", "heads", "seqlen",
+                                                    "o_stride_split")] + \
+               [("o_row", RowStrides), ("stats_stride_split", ctypes.c_int64),
+                ("stats_row", RowStrides), ("out_row", RowStrides),
+                ("out_stats_row", RowStrides), ("row_mask_stride", ctypes.c_int64)] + \
+               [(name, ctypes.c_float) for name in ("log2_scale", "export_scale", "empty_stat")] + \
+               [("stats_in_place", ctypes.c_bool)]
 
 
 def build(name: str, flags: str, folder: pathlib.Path) -> pathlib.Path:
@@ -83,9 +93,14 @@ def problem(head_dim, rows, num_splits, generator):
     o = (torch.randn(num_splits, rows, head_dim, generator=generator) * l.unsqueeze(-1)).cuda().bfloat16()
     stats = torch.stack([m, l], -1).cuda()
     out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
-    p = Params(o.data_ptr(), stats.data_ptr(), None, None, out.data_ptr(), None, num_splits,
-               rows, 1, o.stride(0), o.stride(1), stats.stride(0), stats.stride(1),
-               out.stride(0), 1.0 / math.sqrt(head_dim) * 1.4427, 0.6931)
+    p = Params(partial_o=o.data_ptr(), stats=stats.data_ptr(), out=out.data_ptr(),
+               head_dim=head_dim, num_splits=num_splits, rows=rows, heads=1, seqlen=1,
+               o_stride_split=o.stride(0), o_row=RowStrides(o.stride(1), 0, o.stride(1)),
+               stats_stride_split=stats.stride(0),
+               stats_row=RowStrides(stats.stride(1), 0, stats.stride(1)),
+               out_row=RowStrides(out.stride(0), 0, out.stride(0)), row_mask_stride=1,
+               log2_scale=1.0 / math.sqrt(head_dim) * 1.4427, export_scale=0.6931,
+               empty_stat=math.nan)
     return (o, stats, out), p
 
 

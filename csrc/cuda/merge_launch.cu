@@ -43,6 +43,7 @@ class DeviceGuard {
 Status merge_cuda(const MergeParams& p, const KernelConfig& config, const CudaTarget& target) {
   Status status = check_problem(p);
   if (status.ok()) status = check_config(config, p.head_dim, elem_bytes(p.partial_dtype));
+  if (status.ok()) status = check_call(p, config);
   if (!status.ok() || p.rows == 0) return status;
   DeviceGuard guard(target.device);
   if (guard.error() != cudaSuccess) return fail(Error::kCuda, guard.error());

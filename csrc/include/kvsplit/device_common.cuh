@@ -70,19 +70,19 @@ __device__ __forceinline__ void store_vec(void* base, int64_t offset, const floa
 // thread at column 0, exports the row's stats in the call's format.
 template <int kVec, DType kOut, StatsFormat kFormat>
 __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
-                                                   const MergeState<kVec>& state, int64_t row,
-                                                   int col) {
-  const float sink_log2 =
-      p.sinks != nullptr ? __ldg(p.sinks + row % p.heads) * kLog2E : neg_inf();
+                                                   const MergeState<kVec>& state,
+                                                   const RowIndex& at, int col) {
+  const float sink_log2 = p.sinks != nullptr ? __ldg(p.sinks + at.head) * kLog2E : neg_inf();
   float out[kVec], log2_total;
   const float total = state.finalize(sink_log2, out, log2_total);
-  store_vec<kVec, kOut>(p.out, row * p.out_stride_row + col, out);
+  store_vec<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {
+    float* stats = p.out_stats + p.out_stats_row.at(at);
     if constexpr (kFormat == StatsFormat::kMaxSum) {
-      p.out_stats[2 * row] = state.m * p.export_scale;
-      p.out_stats[2 * row + 1] = total;
+      stats[0] = state.m * p.export_scale;
+      stats[1] = total;
     } else {
-      p.out_stats[row] = log2_total * p.export_scale;
+      stats[0] = log2_total * p.export_scale;
     }
   }
 }

@@ -33,13 +33,14 @@ template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
 __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, int64_t o_step, int64_t s_step,
-                                                  float log2_scale) {
+                                                  float log2_scale, float empty_stat) {
   uint4 packed[kDepth];
   float m_in[kDepth], l_in[kDepth];
 #pragma unroll
   for (int u = 0; u < kDepth; ++u) {
     packed[u] = __ldg(reinterpret_cast<const uint4*>(o + u * o_step));
-    m_in[u] = __ldg(s + u * s_step) * log2_scale;
+    const float m_raw = __ldg(s + u * s_step);
+    m_in[u] = m_raw != empty_stat ? m_raw * log2_scale : neg_inf();
     l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
   }
   state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
@@ -61,9 +62,10 @@ template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
 __device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, int64_t o_step, int64_t s_step,
-                                                  float log2_scale) {
+                                                  float log2_scale, float empty_stat) {
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
-    merge_exact_batch<kCount, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale);
+    merge_exact_batch<kCount, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale,
+                                                 empty_stat);
   })
 }
 
@@ -96,6 +98,9 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
   pdl_wait();
   for (int64_t item = blockIdx.x; item < geo.items; item += gridDim.x) {
     const int64_t row = item >> geo.slices_log2;
+    const RowIndex at = split_row(p, row);
+    // The whole CTA holds this one row: skipping it keeps every barrier uniform.
+    if (!row_selected(p, at)) continue;
     const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
                     lane * kVec;
     int num_splits = static_cast<int>(p.num_splits);
@@ -108,16 +113,17 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
       const int count = ((num_splits - group - 1) >> geo.kv_split_log2) + 1;
       const int first = count - (count - 1) / kDepth * kDepth;  // 1..kDepth
       const Partial* o = static_cast<const Partial*>(p.partial_o) + group * p.o_stride_split +
-                         row * p.o_stride_row + col;
-      const float* s = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
+                         p.o_row.at(at) + col;
+      const float* s = p.stats + group * p.stats_stride_split + p.stats_row.at(at);
       const int64_t o_step = kv_split * p.o_stride_split;
       const int64_t s_step = kv_split * p.stats_stride_split;
       merge_first_round<kDepth, kPartial, kFormat>(state, first, o, s, o_step, s_step,
-                                                   p.log2_scale);
+                                                   p.log2_scale, p.empty_stat);
       o += first * o_step;
       s += first * s_step;
       for (int done = first; done < count; done += kDepth) {
-        merge_exact_batch<kDepth, kPartial, kFormat>(state, o, s, o_step, s_step, p.log2_scale);
+        merge_exact_batch<kDepth, kPartial, kFormat>(state, o, s, o_step, s_step, p.log2_scale,
+                                                     p.empty_stat);
         o += kDepth * o_step;
         s += kDepth * s_step;
       }
@@ -143,7 +149,10 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
       }
     }
 
-    if (threadIdx.x < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, row, col);
+    // A single warp of 32 lanes has no shuffle or barrier to order the
+    // reads of an in-place row's stats before the export.
+    if (p.stats_in_place) __syncthreads();
+    if (threadIdx.x < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }
 }

@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
   pdl_wait();
   for (int64_t band = blockIdx.x; band < num_bands; band += gridDim.x) {
     const int64_t row = band * kRowsPerBand + row_in_band;
-    const bool active = row < p.rows;
+    const RowIndex at = split_row(p, row);
+    const bool active = row < p.rows && row_selected(p, at);
     MergeState<kVec> state;
     state.reset();
     int num_splits = 0;
@@ -82,8 +83,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
       // time, keeping them packed (16-bit) in registers until the multiply.
       const int count = (num_splits - group + kKvSplit - 1) / kKvSplit;
       const Partial* o_cursor = static_cast<const Partial*>(p.partial_o) +
-                                group * p.o_stride_split + row * p.o_stride_row + col;
-      const float* s_cursor = p.stats + group * p.stats_stride_split + row * p.stats_stride_row;
+                                group * p.o_stride_split + p.o_row.at(at) + col;
+      const float* s_cursor = p.stats + group * p.stats_stride_split + p.stats_row.at(at);
       const int64_t o_step = kKvSplit * p.o_stride_split;
       const int64_t s_step = kKvSplit * p.stats_stride_split;
 
@@ -114,7 +115,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
             // Stats may have any strides, so a (max, sum) pair is two loads.
             const float m_raw = __ldg(s_ptr);
             l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s_ptr + 1) : 1.f;
-            m_in[u] = !kTail || j0 + u < count ? m_raw * p.log2_scale : neg_inf();
+            m_in[u] = (!kTail || j0 + u < count) && m_raw != p.empty_stat ? m_raw * p.log2_scale
+                                                                           : neg_inf();
             if constexpr (!kTail) s_ptr += s_step;
           }
         }
@@ -148,7 +150,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
       }
     }
 
-    if (group == 0 && active) finalize_and_store<kVec, kOut, kFormat>(p, state, row, col);
+    // With K > 1 the barrier above already orders every read before the export.
+    if (kKvSplit == 1 && p.stats_in_place) __syncthreads();
+    if (group == 0 && active) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
     // parked_* is reused by the next band; most small calls have none.
     if (kKvSplit > 1 && band + gridDim.x < num_bands) __syncthreads();
   }

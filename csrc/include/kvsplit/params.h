@@ -10,13 +10,37 @@
 
 namespace kvsplit {
 
+// Where row r of a call lives. Rows are (batch, token, head) with heads
+// fastest: r = (batch * seqlen + token) * heads + head. A (num_splits, rows,
+// D) call is one token per batch (seqlen 1) with heads = the sinks' count or 1;
+// an engine's (tokens, heads) or (batch, seqlen, heads) layout is a view with
+// its own strides, so no caller has to copy into a split-major buffer.
+struct RowIndex {
+  int64_t batch = 0;
+  int64_t token = 0;
+  int64_t head = 0;
+};
+
+// Strides of one tensor over (batch, token, head), in its own elements.
+struct RowStrides {
+  int64_t batch = 0;
+  int64_t token = 0;
+  int64_t head = 0;
+  KVSPLIT_HOST_DEVICE constexpr int64_t at(const RowIndex& i) const {
+    return i.batch * batch + i.token * token + i.head * head;
+  }
+};
+
 struct MergeParams {
-  const void* partial_o = nullptr;       // (num_splits, rows, head_dim), unit stride on head_dim
-  const float* stats = nullptr;          // maxsum: (num_splits, rows, 2); lse: (num_splits, rows)
-  const int32_t* split_counts = nullptr; // (rows,) or null: every row has num_splits partials
+  const void* partial_o = nullptr;       // (num_splits, rows..., head_dim), unit stride on head_dim
+  const float* stats = nullptr;          // maxsum: (num_splits, rows..., 2); lse: (num_splits, rows...)
+  const int32_t* split_counts = nullptr; // (rows,) row-major, or null: every row has num_splits partials
   const float* sinks = nullptr;          // (heads,) natural-log logits, or null
-  void* out = nullptr;                   // (rows, head_dim), unit stride on head_dim
-  float* out_stats = nullptr;            // maxsum: (rows, 2); lse: (rows,); or null
+  void* out = nullptr;                   // (rows..., head_dim), unit stride on head_dim
+  float* out_stats = nullptr;            // maxsum: (rows..., 2); lse: (rows...); or null
+  // (batch * seqlen + token) * row_mask_stride -> 0: the row is neither read
+  // nor written (FlashInfer's merge_state_in_place mask); null: every row.
+  const uint8_t* row_mask = nullptr;
 
   int32_t head_dim = 0;
   DType partial_dtype = DType::kBFloat16;
@@ -25,12 +49,15 @@ struct MergeParams {
 
   int64_t num_splits = 0;
   int64_t rows = 0;
-  int64_t heads = 1;               // sink of row r is sinks[r % heads]
+  int64_t heads = 1;               // sink of a row is sinks[head]
+  int64_t seqlen = 1;              // tokens per batch
   int64_t o_stride_split = 0;      // in elements
-  int64_t o_stride_row = 0;
+  RowStrides o_row;
   int64_t stats_stride_split = 0;  // in floats
-  int64_t stats_stride_row = 0;
-  int64_t out_stride_row = 0;      // in elements
+  RowStrides stats_row;
+  RowStrides out_row;              // in elements
+  RowStrides out_stats_row;        // in floats (a maxsum pair is two adjacent floats)
+  int64_t row_mask_stride = 1;
 
   // Multiplies a stat into the base-2 domain of merge_math.h:
   // maxsum: scale_log2; lse: 1 (base 2) or log2(e) (base e).
@@ -39,7 +66,41 @@ struct MergeParams {
   // maxsum: ln 2 (the max is exported as scale_log2 * M / log2 e);
   // lse: 1 (base 2) or ln 2 (base e).
   float export_scale = 1.f;
+  // A raw stat (max or lse) equal to this reads as an empty split: +inf for
+  // vLLM (FlashAttention 2 writes +inf for an empty sequence). NaN: none,
+  // since NaN equals nothing.
+  float empty_stat = __builtin_nanf("");
+  // out_stats is split 0's stats (an in-place merge): every read of a row's
+  // stats must be done before its export, so the kernels add a barrier and
+  // a row must not span CTAs (DSplit slices 1).
+  bool stats_in_place = false;
 };
+
+// Splits a row index into (batch, token, head); 32-bit division when it fits
+// (a 64-bit one is a long software sequence on the GPU).
+KVSPLIT_HOST_DEVICE inline RowIndex split_row(const MergeParams& p, int64_t row) {
+  RowIndex i;
+  if (p.rows <= 0xffffffffll) {
+    const auto r = static_cast<uint32_t>(row);
+    const auto heads = static_cast<uint32_t>(p.heads);
+    const auto seqlen = static_cast<uint32_t>(p.seqlen);
+    const uint32_t token_major = r / heads;
+    i.head = r - token_major * heads;
+    i.batch = token_major / seqlen;
+    i.token = token_major - static_cast<uint32_t>(i.batch) * seqlen;
+  } else {
+    const int64_t token_major = row / p.heads;
+    i.head = row - token_major * p.heads;
+    i.batch = token_major / p.seqlen;
+    i.token = token_major - i.batch * p.seqlen;
+  }
+  return i;
+}
+
+// Whether the row is merged at all (see row_mask).
+KVSPLIT_HOST_DEVICE inline bool row_selected(const MergeParams& p, const RowIndex& i) {
+  return p.row_mask == nullptr || p.row_mask[(i.batch * p.seqlen + i.token) * p.row_mask_stride] != 0;
+}
 
 // The problem's own rules (the config's are check_config's).
 KVSPLIT_HOST_DEVICE constexpr Status check_problem(const MergeParams& p) {
@@ -49,6 +110,15 @@ KVSPLIT_HOST_DEVICE constexpr Status check_problem(const MergeParams& p) {
   }
   if (p.stats_format != StatsFormat::kMaxSum && p.stats_format != StatsFormat::kLse) {
     return fail(Error::kStatsFormat, static_cast<int>(p.stats_format));
+  }
+  return Status{};
+}
+
+// The rules a call adds to its config's: an in-place stats export needs
+// every row inside one CTA.
+KVSPLIT_HOST_DEVICE constexpr Status check_call(const MergeParams& p, const KernelConfig& config) {
+  if (p.stats_in_place && config.family == Family::kDSplit && config.slices != 1) {
+    return fail(Error::kSlices, config.slices);
   }
   return Status{};
 }

@@ -1,0 +1,126 @@
+"""Per-launch time of each kvsplit.compat adapter next to the same merge in split-major layout.
+
+Run on a GPU machine:  python -P benchmarks/bench_adapters.py [--out DIR]
+
+Shapes are decode and chunked-prefill ones: tokens x heads rows, head_dim
+128 and 512, N partials. For each shape every adapter that takes it and the
+plain split-major ``kvsplit.merge_lse`` (partials (N, rows, D), LSE (N,
+rows), same dtypes, the dispatcher's config) are captured into CUDA graphs
+and replayed in turns, L2-warm; microseconds per launch, median. Two-state
+adapters (FlashInfer merge_state and merge_state_in_place, vLLM) run at
+N = 2 only. Writes DIR/adapters.json and prints the markdown table of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+import kvsplit
+from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graphs
+from kvsplit.compat import flash_attn, flashinfer, vllm
+
+ROWS = [(1, 16), (1, 128), (16, 16), (64, 128)]  # (tokens, heads)
+HEAD_DIMS = (128, 512)
+NUM_SPLITS = (2, 16, 264)
+BUDGET_S = 150.0  # the device run is short: stop adding shapes past this
+
+
+def _launches(tokens: int, heads: int, head_dim: int, n: int):
+    """{name: launch(i)} for this shape: "split-major" (bf16) and "split-major fp32"
+    baselines, and the adapters."""
+    g = torch.Generator("cuda").manual_seed(n * 1000 + tokens * heads + head_dim)
+    dev = {"device": "cuda"}
+    rows = tokens * heads
+    v = torch.randn(n, tokens, heads, head_dim, generator=g, **dev).bfloat16()
+    s = torch.randn(n, tokens, heads, generator=g, **dev)
+    o_sm, s_sm = v.view(n, rows, head_dim), s.view(n, rows)
+    out = torch.empty(rows, head_dim, dtype=torch.bfloat16, **dev)
+    lau = {"split-major": lambda i: kvsplit.merge_lse(o_sm, s_sm, out=out)}
+    # FlashInfer merge_states: [tokens, N, heads, D].
+    v_fi = v.permute(1, 0, 2, 3).contiguous()
+    s_fi = s.permute(1, 0, 2).contiguous()
+    lau["flashinfer.merge_states"] = lambda i: flashinfer.merge_states(v_fi, s_fi)
+    # FlashAttention 3: float32 partials, LSE contiguous along seqlen (here tokens).
+    o32 = v.float().view(n, 1, tokens, heads, head_dim)
+    s_fa = s.permute(0, 2, 1).contiguous().permute(0, 2, 1).view(n, 1, tokens, heads)
+    o32_sm = o32.view(n, rows, head_dim)
+    lau["split-major fp32"] = lambda i: kvsplit.merge_lse(o32_sm, s_sm, out=out)
+    lau["flash_attn.combine"] = lambda i: flash_attn.flash_attn_combine(
+        o32, s_fa, out_dtype=torch.bfloat16)
+    if n == 2:
+        a, b = v[0].clone(), v[1].clone()
+        sa, sb = s[0].clone(), s[1].clone()
+        lau["flashinfer.merge_state"] = lambda i: flashinfer.merge_state(a, sa, b, sb)
+        ia, isa = a.clone(), sa.clone()
+        lau["flashinfer.merge_state_in_place"] = (
+            lambda i: flashinfer.merge_state_in_place(ia, isa, b, sb))
+        hm_a, hm_b = sa.t().contiguous(), sb.t().contiguous()
+        out3 = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16, **dev)
+        lse_hm = torch.empty(heads, tokens, **dev)
+        lau["vllm.merge_attn_states"] = lambda i: vllm.merge_attn_states(out3, a, hm_a, b, hm_b,
+                                                                         lse_hm)
+    return lau
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
+    args = parser.parse_args()
+    spin_up_gpu()
+    start, results = time.monotonic(), []
+    for head_dim in HEAD_DIMS:
+        for n in NUM_SPLITS:
+            for tokens, heads in ROWS:
+                if time.monotonic() - start > BUDGET_S:
+                    break
+                launches = _launches(tokens, heads, head_dim, n)
+                for launch in launches.values():  # first use: tuning, plans
+                    launch(0)
+                torch.cuda.synchronize()
+                times = time_cuda_graphs(launches, batch=16, replays=11)
+                results.append({"head_dim": head_dim, "num_splits": n, "tokens": tokens,
+                                "heads": heads,
+                                "us": {name: t.median_us for name, t in times.items()}})
+                print(head_dim, n, tokens, heads,
+                      {k: round(t.median_us, 2) for k, t in times.items()}, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "adapters.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                        "results": results}, indent=1))
+    print(table(results))
+
+
+def table(results) -> str:
+    adapters = ["flashinfer.merge_states", "flashinfer.merge_state",
+                "flashinfer.merge_state_in_place", "vllm.merge_attn_states", "flash_attn.combine"]
+    lines = ["| D | N | tokens x heads | split-major | " + " | ".join(
+                 a + " (x)" for a in adapters) + " |",
+             "|---" * (4 + len(adapters)) + "|"]
+    worst = {}
+    for r in results:
+        us = r["us"]
+        cells = []
+        for a in adapters:
+            if a not in us:
+                cells.append("")
+                continue
+            base = us["split-major fp32" if a == "flash_attn.combine" else "split-major"]
+            ratio = us[a] / base
+            worst[a] = max(worst.get(a, 0.0), ratio)
+            cells.append(f"{us[a]:.2f} ({ratio:.2f})")
+        lines.append(f"| {r['head_dim']} | {r['num_splits']} | {r['tokens']}x{r['heads']} | "
+                     f"{us['split-major']:.2f} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Worst adapter / split-major ratio: " + ", ".join(
+        f"{a} {w:.3f}" for a, w in worst.items()) + " (flash_attn.combine against fp32 "
+        "split-major partials)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The general merge call: what kvsplit.compat's adapters and list-of-parts calls need.
+
+Beyond :func:`kvsplit.merge_lse`'s call it takes partials held in separate
+tensors (the split stride is their distance in memory, so it is passed at
+launch, never cached), a given exported-stats tensor of any strides, a row
+mask, a stat value read as an empty split and an in-place export. One launch,
+no copy; plans are cached per layout in the same table as the public calls'.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import (_PUBLIC_ROW_DIMS, LSE, _extent, _LayoutPlan, _plans, _read_environment,
+                     _stats_name, _type_error)
+def _meta(tensor) -> tuple:
+    return (tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
+
+
+def _metas(value) -> tuple:
+    if isinstance(value, (list, tuple)):
+        return tuple(_meta(t) for t in value)
+    return _meta(value)
+
+
+def _stack_view(name: str, parts) -> torch.Tensor:
+    """A (num_splits, ...) view of part 0 with split stride 0, standing for the parts in
+    validation (the real split stride is the parts' distance, known per call)."""
+    if not parts:
+        raise ValueError(f"{name} is an empty list: nothing to merge")
+    first = parts[0]
+    for i, part in enumerate(parts):
+        if not isinstance(part, torch.Tensor):
+            raise _type_error(f"{name}[{i}]", part)
+        if _meta(part) != _meta(first):
+            raise ValueError(f"{name}[{i}] must have the dtype, shape, strides and device of "
+                             f"{name}[0]")
+    return first.as_strided((len(parts),) + tuple(first.shape), (0,) + first.stride())
+
+
+class _CallPlan:
+    """A general call's layout plan, the parts' count and the in-place rule."""
+
+    __slots__ = ("layout", "parts", "in_place", "o_bytes", "extents")
+
+    def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+                 row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims):
+        self.parts = len(partial_o) if isinstance(partial_o, (list, tuple)) else 0
+        if self.parts:
+            partial_o = _stack_view("partial_o", partial_o)
+            if not isinstance(stats, (list, tuple)) or len(stats) != self.parts:
+                raise ValueError(f"{_stats_name(fmt)} must be a list of {self.parts} tensors, "
+                                 "one per part of partial_o")
+            stats = _stack_view(_stats_name(fmt), stats)
+        elif isinstance(stats, (list, tuple)):
+            raise _type_error(_stats_name(fmt), stats)
+        mask_stride = 1
+        if row_mask is not None:
+            if not isinstance(row_mask, torch.Tensor):
+                raise _type_error("mask", row_mask)
+            tokens = math.prod(partial_o.shape[1:-2]) if partial_o.dim() > 3 else None
+            if row_mask.dtype not in (torch.bool, torch.uint8) or row_mask.dim() != 1 or (
+                    tokens is not None and row_mask.shape[0] != tokens):
+                raise ValueError(f"mask must be a bool tensor of shape ({tokens},), got "
+                                 f"{row_mask.dtype} {tuple(row_mask.shape)}")
+            if row_mask.device != partial_o.device:
+                raise ValueError(f"mask is on {row_mask.device} but partial_o is on "
+                                 f"{partial_o.device}")
+            mask_stride = row_mask.stride(0)
+        self.in_place = stats_in_place
+        if stats_in_place and not (self.parts and out is not None and out_stats is not None
+                                   and _meta(out) == _meta(partial_o[0])
+                                   and _meta(out_stats) == _meta(stats[0])):
+            raise ValueError("an in-place merge writes out and out_lse over part 0, which they "
+                             "must match in dtype, shape and strides")
+        self.layout = _LayoutPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                                  return_stats, kv_split, out_stats=out_stats,
+                                  empty_stat=empty_stat, stats_in_place=stats_in_place,
+                                  row_dims=row_dims, row_mask_stride=mask_stride)
+        self.o_bytes = partial_o.dtype.itemsize
+        self.extents = self.layout.extents + (_extent(row_mask),)
+
+
+def _split_step(name: str, addresses: list[int], align: int) -> int:
+    """The one distance in bytes between consecutive parts."""
+    step = addresses[1] - addresses[0]
+    for a, b in zip(addresses[1:], addresses[2:]):
+        if b - a != step:
+            raise ValueError(f"{name}: parts must lie equally far apart in memory (two always "
+                             "do); stack them into one tensor")
+    if step % align:
+        raise ValueError(f"{name}: parts must lie a multiple of {align} bytes apart")
+    return step
+
+
+def _check_call_aliasing(fmt, plan: _CallPlan, inputs, outputs) -> None:
+    """Outputs overlap no input and not each other, except an in-place output over part 0."""
+    for out_name, lo, size, own in outputs:
+        if not lo or not size:
+            continue
+        for in_name, start, extent in inputs:
+            if not start or not extent or (own is not None and start == own and in_name ==
+                                           ("partial_o[0]" if out_name == "out" else
+                                            f"{_stats_name(fmt)}[0]")):
+                continue
+            if start < lo + size and lo < start + extent:
+                raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
+    (_, a, a_size, _), (_, b, b_size, _) = outputs
+    if a and b and a_size and b_size and a < b + b_size and b < a + a_size:
+        raise ValueError("out_lse overlaps out: outputs must not alias each other")
+
+
+def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, out=None,
+               out_stats=None, return_stats=False, row_mask=None, empty_stat=None,
+               stats_in_place=False, kv_split=None, row_dims=_PUBLIC_ROW_DIMS):
+    """One merge launch of the general call: what :mod:`kvsplit.compat` adapters need.
+
+    ``partial_o``/``stats`` are tensors (num_splits, *rows, ...) or lists of parts
+    (*rows, ...); ``out_stats`` a given exported-stats tensor of any strides
+    (``return_stats`` allocates one instead); ``row_mask`` a bool (tokens,)
+    tensor whose False rows are neither read nor written; ``empty_stat`` a raw
+    stat read as an empty split (vLLM: +inf); ``stats_in_place`` lets ``out``
+    and ``out_stats`` be part 0 itself. Plans are cached per layout like
+    :func:`merge_lse`'s. Returns ``out``, or ``(out, out_stats)`` when stats
+    are exported.
+    """
+    try:
+        key = ("call", fmt, _metas(partial_o), _metas(stats),
+               None if out is None else _meta(out), None if out_stats is None else _meta(out_stats),
+               None if sinks is None else _meta(sinks),
+               None if split_counts is None else _meta(split_counts),
+               None if row_mask is None else _meta(row_mask), scalar, empty_stat,
+               bool(stats_in_place), bool(return_stats), kv_split, type(kv_split), row_dims,
+               _read_environment())
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors: validation says what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _CallPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+                         row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims)
+        if key is not None and plan.layout.cacheable:
+            _plans[key] = plan
+    layout = plan.layout
+    if plan.parts:
+        o_addresses = [t.data_ptr() for t in partial_o]
+        s_addresses = [t.data_ptr() for t in stats]
+        first = partial_o[0]
+    else:
+        o_addresses, s_addresses, first = [partial_o.data_ptr()], [stats.data_ptr()], partial_o
+    if first.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("kvsplit merges have no backward: call them under torch.no_grad() "
+                           "or on tensors that do not require grad (.detach())")
+    if plan.parts > 1:
+        o_split = _split_step("partial_o", o_addresses, 16) // plan.o_bytes
+        s_split = _split_step(_stats_name(fmt), s_addresses, 4) // 4
+    elif plan.parts:
+        o_split = s_split = 0
+    else:
+        o_split, s_split = partial_o.stride(0), stats.stride(0)
+    if out is None:
+        out = torch.empty(layout.out_shape, dtype=layout.out_dtype, device=layout.device)
+    elif plan.in_place and out.data_ptr() != o_addresses[0]:
+        raise ValueError("an in-place merge writes out over partial_o[0]: pass that tensor")
+    if out_stats is None and return_stats:
+        out_stats = torch.empty(layout.stats_shape, dtype=torch.float32, device=layout.device)
+    elif plan.in_place and out_stats.data_ptr() != s_addresses[0]:
+        raise ValueError("an in-place merge writes out_lse over the stats of part 0: pass them")
+    if o_addresses[0] % 16:
+        raise ValueError("partial_o must be 16-byte aligned")
+    out_addr = out.data_ptr()
+    if out_addr % layout.store_bytes:
+        raise ValueError(f"out and each of its rows must be {layout.store_bytes}-byte aligned")
+    extents = plan.extents
+    os_addr = 0 if out_stats is None else out_stats.data_ptr()
+    stats_name = _stats_name(fmt)
+    inputs = ([(f"partial_o[{i}]" if plan.parts else "partial_o", a, extents[0])
+               for i, a in enumerate(o_addresses)]
+              + [(f"{stats_name}[{i}]" if plan.parts else stats_name, a, extents[1])
+                 for i, a in enumerate(s_addresses)]
+              + [("split_counts", 0 if split_counts is None else split_counts.data_ptr(),
+                  extents[2]),
+                 ("sinks", 0 if sinks is None else sinks.data_ptr(), extents[3]),
+                 ("mask", 0 if row_mask is None else row_mask.data_ptr(), extents[6])])
+    own_o = o_addresses[0] if plan.in_place else None
+    own_s = s_addresses[0] if plan.in_place else None
+    _check_call_aliasing(fmt, plan, inputs, [("out", out_addr, extents[4], own_o),
+                                              ("out_lse" if fmt == LSE else "out_stats", os_addr,
+                                               extents[5], own_s)])
+    if layout.kernel is not None:
+        layout.kernel.launch_call(o_addresses[0], s_addresses[0], inputs[-3][1], inputs[-2][1],
+                                  out_addr, os_addr, inputs[-1][1],
+                                  layout.log2_scale or float(scalar), o_split, s_split)
+    return (out, out_stats) if out_stats is not None else out

@@ -1,0 +1,243 @@
+"""Validation of a merge call's layout and what its calls share (:class:`_LayoutPlan`).
+
+A layout is every tensor's dtype, shape, strides and device plus the scalars:
+validated once, in full, before any launch; :mod:`kvsplit.merge` keeps one
+plan per layout. Rows may be (rows,), (tokens, heads) or, for FlashAttention's
+combine, (batch, seqlen, heads), with any strides but on head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from . import _kernel
+from .config import DTYPE_PAIRS, HEAD_DIMS, STATS_FORMAT_CODES, has_cuda_kernels
+from .dispatch import dispatcher as _dispatch
+from .dispatch.constraints import in_place_config
+from .dispatch.device import device_facts
+from .dispatch.keys import scattered_stats
+
+MAXSUM, LSE = STATS_FORMAT_CODES["maxsum"], STATS_FORMAT_CODES["lse"]
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_STATS_DTYPES = (torch.float32,)
+_COUNT_DTYPES = (torch.int32,)
+# partial dtype -> the output dtypes compiled for it (the first is the default).
+_OUT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {}
+for _partial, _out in DTYPE_PAIRS:
+    _OUT_DTYPES.setdefault(getattr(torch, _partial), ())
+    _OUT_DTYPES[getattr(torch, _partial)] += (getattr(torch, _out),)
+for _partial, _outs in _OUT_DTYPES.items():  # 16-bit partials produce their own dtype
+    _OUT_DTYPES[_partial] = tuple(sorted(_outs, key=lambda d: (d != _partial, str(d))))
+_PARTIAL_DTYPES = tuple(_OUT_DTYPES)
+_KV_SPLITS = _dispatch.KV_SPLITS
+_plans = _dispatch.dispatcher.plans
+_read_environment = _dispatch.read_environment
+_is_compiling = torch.compiler.is_compiling
+
+
+def _is_real(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def _type_error(name: str, value: object) -> TypeError:
+    return TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _dtype_error(name: str, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> TypeError:
+    allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+    return TypeError(f"{name} must have dtype {allowed}; got {str(dtype).removeprefix('torch.')}")
+
+
+def _check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...],
+                  shape: tuple[int, ...], device: torch.device, unit_dim: Optional[int]) -> None:
+    """Type, dtype, shape, device and unit stride of one argument."""
+    if not isinstance(value, torch.Tensor):
+        raise _type_error(name, value)
+    if value.dtype not in dtypes:
+        raise _dtype_error(name, value.dtype, dtypes)
+    if value.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but partial_o is on {device}")
+    if unit_dim is not None and shape[unit_dim] > 1 and value.stride(unit_dim) != 1:
+        raise ValueError(f"{name} must have unit stride on dim {unit_dim}, "
+                         f"got strides {value.stride()}")
+
+
+def _check_scalar(fmt: int, scalar: object) -> None:
+    if fmt == MAXSUM:
+        if type(scalar) is not float and not _is_real(scalar):
+            raise TypeError(f"scale_log2 must be a real number, got {type(scalar).__name__}")
+        if not (math.isfinite(scalar) and 0 < scalar <= _FLOAT32_MAX):
+            raise ValueError(f"scale_log2 must be positive and finite in float32, got {scalar}")
+    else:
+        if type(scalar) is not float and not _is_real(scalar):
+            raise TypeError(f"base must be 2.0 or math.e, got {type(scalar).__name__}")
+        if scalar not in (2.0, math.e):
+            raise ValueError(f"base must be 2.0 or math.e, got {scalar}")
+
+
+_RANK_WORDS = {1: "3-D (num_splits, rows, head_dim)", 2: "4-D (num_splits, tokens, heads, head_dim)",
+               3: "5-D (num_splits, batch, seqlen, heads, head_dim)"}
+_PUBLIC_ROW_DIMS = (1, 2)
+
+
+def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split, *,
+              row_dims=_PUBLIC_ROW_DIMS) -> torch.dtype:
+    """Checks what needs no memory address; returns the output dtype.
+
+    ``row_dims``: how many dims the rows may take (1: rows; 2: tokens, heads;
+    3: batch, seqlen, heads, for FlashAttention's combine layout).
+    """
+    _check_scalar(fmt, scalar)
+    if not isinstance(partial_o, torch.Tensor):
+        raise _type_error("partial_o", partial_o)
+    dtype = partial_o.dtype
+    if dtype not in _OUT_DTYPES:
+        raise _dtype_error("partial_o", dtype, _PARTIAL_DTYPES)
+    shape = partial_o.shape
+    if len(shape) - 2 not in row_dims:
+        ranks = " or ".join(_RANK_WORDS[r] for r in row_dims)
+        raise ValueError(f"partial_o must be {ranks}, got {len(shape)}-D")
+    num_splits, *row_list, head_dim = shape
+    row_shape = tuple(row_list)
+    rows = math.prod(row_shape)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"partial_o: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
+    if num_splits == 0 and rows > 0:
+        raise ValueError("partial_o has num_splits = 0 but rows > 0: nothing to merge")
+    last = len(shape) - 1
+    if partial_o.stride(last) != 1 and head_dim > 1:
+        raise ValueError(f"partial_o must have unit stride on dim {last}, got strides {partial_o.stride()}")
+    device = partial_o.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"partial_o must be on a CPU or CUDA device, got {device}")
+
+    stats_tail = (2,) if fmt == MAXSUM else ()
+    _check_tensor(_stats_name(fmt), stats, _STATS_DTYPES, (num_splits,) + row_shape + stats_tail,
+                  device, len(shape) - 1 if stats_tail else None)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise _type_error("sinks", sinks)
+        if sinks.dtype != torch.float32:
+            raise _dtype_error("sinks", sinks.dtype, _STATS_DTYPES)
+        if sinks.dim() != 1 or sinks.numel() == 0:
+            raise ValueError(f"sinks must be 1-D (heads,) with heads >= 1, got shape {tuple(sinks.shape)}")
+        if len(row_shape) == 1 and rows % sinks.numel():
+            raise ValueError(f"sinks: rows ({rows}) must be a multiple of heads ({sinks.numel()})")
+        if len(row_shape) > 1 and sinks.numel() != row_shape[-1]:
+            raise ValueError(f"sinks has {sinks.numel()} heads but partial_o has {row_shape[-1]}")
+        _check_tensor("sinks", sinks, _STATS_DTYPES, tuple(sinks.shape), device, 0)
+    if split_counts is not None:
+        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, row_shape, device, 0)
+        if not split_counts.is_contiguous():
+            raise ValueError(f"split_counts must be contiguous (rows in order), got strides "
+                             f"{split_counts.stride()}")
+
+    if out is None:
+        out_dtype = _OUT_DTYPES[dtype][0]
+    else:
+        _check_tensor("out", out, _OUT_DTYPES[dtype], row_shape + (head_dim,), device,
+                      len(row_shape))
+        out_dtype = out.dtype
+
+    if kv_split is not None:
+        if isinstance(kv_split, bool) or not isinstance(kv_split, numbers.Integral):
+            raise TypeError(f"kv_split must be an int or None, got {type(kv_split).__name__}")
+        if kv_split not in _KV_SPLITS:
+            raise ValueError(f"kv_split must be one of {_KV_SPLITS} or None, got {kv_split}")
+    if device.type == "cuda" and not has_cuda_kernels():
+        raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
+    return out_dtype
+
+
+def _stats_name(fmt: int) -> str:
+    return "partial_stats" if fmt == MAXSUM else "partial_lse"
+
+
+def _extent(tensor: Optional[torch.Tensor]) -> int:
+    """Bytes from a tensor's first to past its last element (0: empty or absent)."""
+    if tensor is None or not tensor.numel():
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+            + 1) * tensor.dtype.itemsize
+
+
+class _LayoutPlan:
+    """What a layout's calls share: the launch plan and the byte extents and alignments."""
+
+    __slots__ = ("kernel", "native", "device_index", "rows", "out_shape", "out_dtype", "stats_shape", "device",
+                 "store_bytes", "extents", "log2_scale", "cacheable")
+
+    def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
+                 kv_split, *, out_stats=None, empty_stat=None, stats_in_place=False,
+                 row_dims=_PUBLIC_ROW_DIMS, row_mask_stride=1):
+        """``out_stats``, ``empty_stat`` and ``stats_in_place`` are kvsplit.compat's: a given
+        exported-stats tensor (any strides), a stat that reads as empty, and an export
+        into split 0's stats (see params.h)."""
+        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
+                              row_dims=row_dims)
+        num_splits, *row_list, head_dim = partial_o.shape
+        row_shape = tuple(row_list)
+        rows = math.prod(row_shape)
+        _check_strides(partial_o, out, out_dtype)
+        device = partial_o.device
+        self.rows, self.device, self.out_dtype = rows, device, out_dtype
+        self.out_shape = row_shape + (head_dim,)
+        self.stats_shape = row_shape + ((2,) if fmt == MAXSUM else ())
+        if out_stats is not None:
+            _check_tensor("out_stats" if fmt == MAXSUM else "out_lse", out_stats, _STATS_DTYPES,
+                          self.stats_shape, device, len(row_shape) if fmt == MAXSUM else None)
+        # Each thread stores the outputs of 16 bytes of partials in one access.
+        self.store_bytes = 16 // partial_o.dtype.itemsize * out_dtype.itemsize
+        out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
+                                                           device="meta")
+        self.extents = (_extent(partial_o), _extent(stats), _extent(split_counts), _extent(sinks),
+                        _extent(out_like),
+                        _extent(out_stats) if out_stats is not None
+                        else 4 * math.prod(self.stats_shape))
+        if fmt == MAXSUM:
+            self.log2_scale, export_scale = None, _LN2
+        else:
+            self.log2_scale = 1.0 if scalar == 2.0 else _LOG2E
+            export_scale = 1.0 if scalar == 2.0 else _LN2
+        self.kernel, self.native, self.device_index, self.cacheable = None, None, -1, True
+        if rows:
+            facts = device_facts(device)
+            scattered = scattered_stats(fmt == MAXSUM, row_shape,
+                                        stats.stride()[1:1 + len(row_shape)])
+            config, self.cacheable = _dispatch.choose_for_plan(
+                facts, device, head_dim, partial_o.dtype, out_dtype, fmt, num_splits, rows,
+                kv_split or None, scattered)
+            if stats_in_place:
+                config = in_place_config(config, head_dim=head_dim,
+                                         elem_bytes=partial_o.dtype.itemsize, rows=rows,
+                                         num_splits=num_splits,
+                                         sm_count=facts.sm_count if facts.is_cuda else None)
+            self.kernel = _kernel.Plan(config, fmt, partial_o, stats, out_like, sinks,
+                                       export_scale, sm_count=facts.sm_count,
+                                       pdl=_dispatch.pdl_enabled(), out_stats=out_stats,
+                                       empty_stat=empty_stat, stats_in_place=stats_in_place,
+                                       row_mask_stride=row_mask_stride)
+            self.native, self.device_index = self.kernel.native, self.kernel.device_index
+
+
+def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
+    elem = partial_o.dtype.itemsize
+    shape, strides = partial_o.shape, partial_o.stride()
+    for dim in range(len(shape) - 1):
+        if shape[dim] > 1 and (strides[dim] * elem) % 16:
+            raise ValueError(f"partial_o: stride {strides[dim]} of dim {dim} is not a "
+                             "multiple of 16 bytes")
+    store_bytes = 16 // elem * out_dtype.itemsize
+    if out is not None and any(size > 1 and (stride * out_dtype.itemsize) % store_bytes
+                               for size, stride in zip(out.shape[:-1], out.stride()[:-1])):
+        raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
+
+

@@ -119,7 +119,9 @@ def _worker_main(device, keys, db_url, l2, force, queue) -> None:
               callback=_words(("bfloat16", "float16", "float32")),
               help="Partial dtypes (float32 partials produce bfloat16).")
 @click.option("--format", "formats", default="maxsum", show_default=True,
-              callback=_words(("maxsum", "lse")), help="Stats formats.")
+              callback=_words(("maxsum", "lse", "maxsum:scattered", "lse:scattered")),
+              help="Stats formats; ':scattered' keys the layouts whose adjacent rows' stats are "
+                   "apart (vLLM's head-major LSE, FlashAttention 3's combine).")
 @click.option("--num-splits", default="16,32,64,132,264", show_default=True, callback=_ints)
 @click.option("--rows", default="32,64,128,256,512,2048", show_default=True, callback=_ints)
 @click.option("--pending", is_flag=True, help="Tune the keys met during CUDA-graph capture instead of a grid.")

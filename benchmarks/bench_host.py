@@ -10,7 +10,8 @@ the dispatcher's choice are made by the warm-up), ``out`` given:
                            parameter object and the addresses (the floor of
                            any Python caller of these kernels);
   empty kernel binding     (GPU) an empty kernel through the binding;
-  aten out.add_(0)         one aten op on the same ``out``.
+  aten out.add_(0)         one aten op on the same ``out``;
+  of which: ...            pieces of the public call's own work, timed alone.
 All variants are timed in turns, two rounds, the median of five samples in
 the better round. GPU shape: D=512 rows=64 N=16 bf16 maxsum; CPU shape
 (the CPU implementation): D=64 rows=1 N=1 bf16 lse.
@@ -67,6 +68,15 @@ def variants(device: str):
     else:
         table["raw binding"] = lambda: ext.merge_cpu(launch, *addresses, scale)
     table["aten out.add_(0)"] = lambda: out.add_(0)
+    # What the public call adds to the raw binding, piece by piece:
+    fmt = merge.MAXSUM if device == "cuda" else merge.LSE
+    scalar = 0.1 if device == "cuda" else 2.0
+    table["  of which: layout key + plan lookup"] = lambda: merge._plan(
+        fmt, o, stats, scalar, None, None, out, False, None)
+    table["  of which: torch.compiler.is_compiling"] = torch.compiler.is_compiling
+    table["  of which: 3 x data_ptr()"] = lambda: (o.data_ptr(), stats.data_ptr(), out.data_ptr())
+    if device == "cuda":
+        table["  of which: current stream lookup"] = lambda: raw_stream(0)
     return table, f"D={head_dim} rows={rows} N={num_splits}"
 
 

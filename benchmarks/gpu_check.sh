@@ -2,7 +2,7 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests bench tune demo, or NAME for benchmarks/NAME.py
+#   stages: build tests all-tests bench tune tune-adapters demo, or NAME for benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
 set -uo pipefail
@@ -47,6 +47,13 @@ for stage in "${stages[@]}"; do
       python3 -P -m kvsplit db stats 2>&1 | tee -a "$LOG"
       python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 --stats-format maxsum >> "$LOG" 2>&1
       python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2 ;;
+    tune-adapters)
+      # The engine adapters' shapes (kvsplit.compat), split-major and scattered-stats keys.
+      python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float32 \
+        --format lse,lse:scattered --num-splits 2,16,64,264 --rows 16,128,256,1024 \
+        2>&1 | tee -a "$LOG" | tail -6
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      python3 -P -m kvsplit db export --out "$OUT/tuned-h200-adapters.json" ;;
     demo)
       # The README's main job twice on a fresh database: the second process
       # must reuse the stored choice without profiling.

@@ -30,25 +30,24 @@ _merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
 _current_stream = _kernel.current_stream
 
 
-def _key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
-    """Everything that validation and the plan depend on, except addresses and the maxsum scale.
-
-    Built on every call (it is most of the host time of a cached call), so it
-    reads each attribute once and calls nothing it need not.
-    """
-    return (fmt, partial_o.dtype, partial_o.shape, partial_o.stride(), partial_o.device,
-            stats.dtype, stats.shape, stats.stride(), stats.device,
-            None if out is None else (out.dtype, out.shape, out.stride(), out.device),
-            None if sinks is None else (sinks.dtype, sinks.shape, sinks.stride(), sinks.device),
-            None if split_counts is None else (split_counts.dtype, split_counts.shape,
-                                               split_counts.stride(), split_counts.device),
-            None if fmt == MAXSUM else scalar, return_stats, kv_split, type(kv_split),
-            _read_environment())
-
-
 def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
+    """The layout's plan, from a key of everything that validation and the plan depend on
+    (every tensor's dtype, shape, strides and device, the scalars, the environment),
+    except addresses and the maxsum scale.
+
+    The key is built on every call and is most of the host time of a cached call,
+    so it is one expression that reads each attribute once and calls nothing else.
+    """
     try:
-        key = _key(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split)
+        key = (fmt, partial_o.dtype, partial_o.shape, partial_o.stride(), partial_o.device,
+               stats.dtype, stats.shape, stats.stride(), stats.device,
+               None if out is None else (out.dtype, out.shape, out.stride(), out.device),
+               None if sinks is None else (sinks.dtype, sinks.shape, sinks.stride(),
+                                           sinks.device),
+               None if split_counts is None else (split_counts.dtype, split_counts.shape,
+                                                  split_counts.stride(), split_counts.device),
+               None if fmt == MAXSUM else scalar, return_stats, kv_split, type(kv_split),
+               _read_environment())
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scalar: validation says
         key = plan = None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -118,25 +118,20 @@ def test_workers_racing_for_one_grid_claim_each_key_once(db_url):
     """Threads with stores of their own: SKIP LOCKED / BEGIN IMMEDIATE hand out each key once."""
     keys = grid(24)
     open_store(db_url).close()
-    got, errors = [], []
 
-    def work(i: int) -> None:
+    def work(i: int) -> list:
+        got = []
         with open_store(db_url) as store:
             claims = Claims(store)
             started = claims.now()
-            try:
-                while (claim := _next(claims, keys, f"t{i}/1/cpu", run_started=started).claim) is not None:
-                    got.append(claim.key)
-                    claims.finish(claim, record=_record(claim.key))
-            except Exception as error:  # noqa: BLE001 - reported below
-                errors.append(error)
+            while (claim := _next(claims, keys, f"t{i}/1/cpu", run_started=started).claim) is not None:
+                got.append(claim.key)
+                claims.finish(claim, record=_record(claim.key))
+        return got
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and sorted(k.rows for k in got) == list(range(1, 25))
+    with ThreadPoolExecutor(4) as pool:  # an exception in a worker is raised here
+        got = [key for keys_of_one in pool.map(work, range(4)) for key in keys_of_one]
+    assert sorted(k.rows for k in got) == list(range(1, 25))
 
 
 def test_a_claim_row_that_does_not_parse_is_claimable_and_repaired_away(store, claims, db_url):

@@ -112,7 +112,11 @@ def _register(session: Session, texts: Sequence[str]) -> None:
         from sqlalchemy.dialects.sqlite import insert as dialect_insert
     else:
         dialect_insert = None
-    missing = [t for t in texts if t not in _claim_rows(session, texts)] if dialect_insert is None else list(texts)
+    # One order for every worker: concurrent inserts of the same keys then wait, never deadlock.
+    missing = sorted(texts)
+    if dialect_insert is None:
+        present = _claim_rows(session, missing)
+        missing = [t for t in missing if t not in present]
     for start in range(0, len(missing), _CHUNK):
         values = [{"key": _CANONICAL.process_result_value(t, None), "state": "open", "attempts": 0}
                   for t in missing[start:start + _CHUNK]]

@@ -162,10 +162,11 @@ class Dispatcher:
         self._store = None
         self._store_url: str | None = None
         self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
-        self._refresher = Refresher(self.refresh)
         #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
         self.plans: dict[tuple, object] = {}
+        # Child hooks run in the order registered: the pool goes before a refresh thread starts.
         os.register_at_fork(after_in_child=_forget_pool(self))
+        self._refresher = Refresher(self.refresh)
 
     # -- hot path ---------------------------------------------------------------------------
     def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,

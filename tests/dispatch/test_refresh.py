@@ -126,3 +126,29 @@ def test_a_store_that_fell_back_to_memory_keeps_the_tables_it_read(monkeypatch, 
     store.upsert(keys.stored_record(keys.key_for(64, 16, 8), 16))  # a generation in memory
     assert not dispatch_module.dispatcher.refresh()
     assert call(num_splits=16, rows=8)[0] == 2
+
+
+@pytest.mark.usefixtures("no_tuning")
+def test_a_forked_child_refreshes_with_connections_of_its_own(call, isolated, keys, refresh_s):
+    import os
+
+    refresh_s(3600)
+    keys.store_winner(isolated.url, keys.key_for(64, 16, 8), 2)
+    assert call(num_splits=16, rows=8)[0] == 2
+    keys.store_winner(isolated.url, keys.key_for(64, 16, 8), 8)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it saw, never return into pytest
+        try:
+            os.close(read)
+            changed = dispatch_module.dispatcher.refresh()
+            os.write(write, f"{changed} {call(num_splits=16, rows=8)[0]}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    seen = os.read(read, 100)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert seen == b"True 8"
+    assert call(num_splits=16, rows=8)[0] == 2  # the parent has not refreshed yet
+    assert dispatch_module.dispatcher.refresh() and call(num_splits=16, rows=8)[0] == 8

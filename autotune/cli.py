@@ -71,45 +71,106 @@ def _devices(value: str | None) -> list:
     return [torch.device("cuda", i) for i in indices]
 
 
-def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool, report) -> None:
-    """Tune ``keys`` (JSON) on ``device``, storing each result; report each outcome."""
+def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool, lease_s: float,
+          report) -> None:
+    """Tune ``keys`` (JSON, all of this device's model) on ``device`` as one fleet worker.
+
+    Outcomes go to ``report``: ("tuned"|"failed", key, detail) for the keys
+    tuned here, ("taken_over", key, previous owner), ("standings", None,
+    counts) after every claim, and ("finished", None, None) at the end.
+    """
     import torch
 
-    from ..db import StoreError, TuningKey, open_store
+    from ..db import Claims, TuningKey, open_store
     from ..dispatch.constraints import configs_for_key
-    from ..dispatch.device import device_facts
-    from ..dispatch.keys import device_info
+    from .fleet import owner_name, run_worker
     from .tuner import tune
 
     # A stored row that does not parse counts as not stored: the key is tuned
     # again and the new row replaces it (with a warning naming the row).
     store = open_store(db_url, on_damage="warn")
     target = torch.device(device)
-    here = device_info(device_facts(target))
-    for raw in keys:
-        key = TuningKey.model_validate_json(raw)
-        try:
-            if key.device != here:  # timings from this device must not go under another's key
-                report(("skipped", raw, f"key is for {key.device.label}, not {here.label}"))
-                continue
-            if not force and store.get(key) is not None:
-                report(("skipped", raw, None))
-                continue
-            record = tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"),
-                          l2_state=l2)
-            store.upsert(record)
-            report(("tuned", raw, record.model_dump_json()))
-        except StoreError:
-            raise  # the database, not the key: the whole run stops with exit 3
-        except Exception as error:  # one failed key must not stop the grid
-            report(("failed", raw, f"{type(error).__name__}: {error}"))
 
+    def tune_one(key: TuningKey):
+        return tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"), l2_state=l2)
 
-def _worker_main(device, keys, db_url, l2, force, queue) -> None:
+    grid = [TuningKey.model_validate_json(k) for k in keys]
+    model = grid[0].device.label if grid else ""
     try:
-        _work(device, keys, db_url, l2, force, queue.put)
+        done = run_worker(Claims(store), grid, tune_one, report, owner=owner_name(device), lease_s=lease_s,
+                          force=force,
+                          on_standings=lambda counts: report(("standings", None, {**counts, "model": model})))
+    finally:
+        store.close()
+    for key, previous in done.taken_over:
+        report(("taken_over", key.model_dump_json(), previous))
+    report(("finished", None, None))
+
+
+def _worker_main(device, keys, db_url, l2, force, lease_s, queue) -> None:
+    try:
+        _work(device, keys, db_url, l2, force, lease_s, queue.put)
     except Exception as error:  # noqa: BLE001 - the parent reports it; no traceback from a child
         queue.put(("stopped", None, str(error)))
+
+
+def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows) -> list:
+    """The grid's keys: every shape once per device model among ``targets`` (bucketed as the
+    dispatcher buckets calls, so the grid fills exactly the keys that calls look up)."""
+    from ..config import build_hash
+    from ..dispatch.device import device_facts
+    from ..dispatch.keys import tuning_key
+
+    models = list(dict.fromkeys(device_facts(t) for t in targets))
+    keys = [tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
+            for d in head_dims for dtype in dtypes for fmt in formats for n in num_splits for r in rows
+            for facts in models]
+    return list(dict.fromkeys(keys))
+
+
+def _assign(keys: list, targets: list) -> tuple[dict[str, list[str]], list[tuple]]:
+    """Each key to every target of its device model (they share it through claims); the keys of
+    no target's model as skipped outcomes."""
+    from ..dispatch.device import device_facts
+    from ..dispatch.keys import device_info
+
+    here = {str(t): device_info(device_facts(t)) for t in targets}
+    work: dict[str, list[str]] = {t: [] for t in here}
+    foreign = []
+    for key in keys:
+        mine = [t for t, info in here.items() if info == key.device]
+        for target in mine:
+            work[target].append(key.model_dump_json())
+        if not mine:  # timings from this machine must not go under another device's key
+            foreign.append(("skipped", key.model_dump_json(),
+                            f"key is for {key.device.label}, not {', '.join(sorted({i.label for i in here.values()}))}"))
+    return work, foreign
+
+
+def _run_workers(work: dict[str, list[str]], db_url, l2: str, force: bool, lease_s: float, report) -> None:
+    """One fleet worker per target: in this process for one, in spawned processes for several."""
+    busy = {target: keys for target, keys in work.items() if keys}
+    if len(busy) <= 1:
+        for target, keys in busy.items():
+            _work(target, keys, db_url, l2, force, lease_s, report)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(d, k, db_url, l2, force, lease_s, queue))
+             for d, k in busy.items()]
+    for proc in procs:
+        proc.start()
+    running = len(procs)
+    while running:
+        message = queue.get()
+        if message[0] == "stopped":  # a worker met a database problem or crashed
+            for proc in procs:
+                proc.terminate()
+            raise DatabaseProblem(message[2])
+        running -= message[0] == "finished"
+        report(message)
+    for proc in procs:
+        proc.join()
 
 
 @click.command()
@@ -125,15 +186,22 @@ def _worker_main(device, keys, db_url, l2, force, queue) -> None:
 @click.option("--num-splits", default="16,32,64,132,264", show_default=True, callback=_ints)
 @click.option("--rows", default="32,64,128,256,512,2048", show_default=True, callback=_ints)
 @click.option("--pending", is_flag=True, help="Tune the keys met during CUDA-graph capture instead of a grid.")
-@click.option("--force", is_flag=True, help="Re-tune keys that the database already has.")
+@click.option("--force", is_flag=True,
+              help="Re-tune keys that the database already has (each once, across the fleet, per run).")
 @click.option("--devices", default=None, help="cpu, all, or CUDA indices like 0,1 (one worker each) [default: cuda:0, else cpu].")
 @click.option("--l2", type=click.Choice(["warm", "cold"]), default="warm", show_default=True,
               help="L2 state while timing.")
+@click.option("--lease", "lease_s", type=click.FloatRange(min=0.5), default=60.0, show_default=True,
+              metavar="SECONDS",
+              help="Lease of a claim; renewed every third of it while a key is tuned. A worker that "
+                   "stops renewing (killed, host lost) loses its key to another after this long.")
+@click.option("--status", is_flag=True,
+              help="Only show how far the grid is (done, claimed by whom, failed, left); tune nothing.")
 @db_option
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary (or --status) as JSON.")
 @click.pass_context
-def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devices, l2,
-         as_json) -> None:
+def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devices, l2, lease_s,
+         status, as_json) -> None:
     """Profile the candidate kernel configs for a grid of shapes and store the winners.
 
     Candidates: both kernel families, pruned, on a GPU; every KvSplit K on the CPU.
@@ -142,15 +210,17 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     exactly the keys that calls will look up. Resumable: keys already stored
     are skipped unless --force; a stored row that does not parse is tuned
     again (with a warning). Exits 1 if any key failed, 3 on a database problem.
+
+    Fleet: run the same command on any number of hosts against one --db URL
+    (PostgreSQL). Each worker claims a key before it tunes it, so every key
+    is tuned once; a worker that dies loses its claims after --lease seconds
+    and another worker finishes its key. --status shows the grid's progress.
     """
     import warnings
 
-    from ..config import build_hash
     from ..db import DbWarning, open_store
     from ..db.errors import REPAIR_HINT
     from ..dispatch import pending as pending_keys
-    from ..dispatch.device import device_facts
-    from ..dispatch.keys import tuning_key
 
     console = Console(stderr=True)
     targets = _devices(devices)
@@ -160,65 +230,69 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     if damage:
         warnings.warn(f"{store.url}: {len(damage)} rows do not parse; tuning goes on and re-tunes any "
                       f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
-    work: dict[str, list[str]] = {str(d): [] for d in targets}
-    if pending:
-        # Each pending key goes to a target of its own device model (others are skipped).
-        keys = pending_keys.load()
-        labels = {str(t): device_facts(t).name for t in targets}
-        for i, key in enumerate(keys):
-            matching = [t for t, name in labels.items() if name[:128] == key.device.name]
-            work[(matching or list(labels))[i % len(matching or labels)]].append(
-                key.model_dump_json())
-    else:
-        # Grid keys are spread over the targets, each keyed by the device that tunes it.
-        shapes = list(dict.fromkeys(
-            (d, dtype, fmt, n, r) for d in head_dims for dtype in dtypes for fmt in formats
-            for n in num_splits for r in rows))
-        keys = []
-        for i, (d, dtype, fmt, n, r) in enumerate(shapes):
-            target = targets[i % len(targets)]
-            facts = device_facts(target)
-            key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt,
-                             n, r)
-            if key not in keys:
-                keys.append(key)
-                work[str(target)].append(key.model_dump_json())
+    keys = pending_keys.load() if pending else _grid(targets, head_dims, dtypes, formats, num_splits, rows)
+    if status:
+        _status(db_url, keys, as_json)
+        return
+    work, foreign = _assign(keys, targets)
 
-    outcomes: list[tuple] = []
+    outcomes: dict[str, tuple] = {o[1]: o for o in foreign}
+    taken_over: list[tuple[str, str]] = []
+    finished: dict[str, int] = {}
     started = time.perf_counter()
     with Progress(TextColumn("[bold]tune"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, disable=as_json) as progress:
-        task = progress.add_task("", total=len(keys))
+        task = progress.add_task("", total=len(keys), completed=len(foreign))
 
-        def report(outcome) -> None:
-            outcomes.append(outcome)
-            progress.update(task, advance=1, description=f"{outcome[0]}")
+        def report(message) -> None:
+            kind, raw, detail = message
+            if kind in ("tuned", "failed"):
+                outcomes[raw] = message
+                progress.update(task, description=kind)
+            elif kind == "taken_over":
+                taken_over.append((raw, detail))
+            elif kind == "standings":  # the fleet's progress on this device model's keys
+                finished[detail["model"]] = detail["done"] + detail["failed"]
+                progress.update(task, completed=len(foreign) + sum(finished.values()),
+                                description="waiting for other workers" if not detail["left"]
+                                and not detail["expired"] else "")
 
-        if len(targets) == 1:
-            _work(str(targets[0]), work[str(targets[0])], db_url, l2, force, report)
-        else:
-            ctx = multiprocessing.get_context("spawn")
-            queue = ctx.Queue()
-            procs = [ctx.Process(target=_worker_main, args=(d, k, db_url, l2, force, queue))
-                     for d, k in work.items() if k]
-            for proc in procs:
-                proc.start()
-            for _ in range(len(keys)):
-                outcome = queue.get()
-                if outcome[0] == "stopped":  # a worker met a database problem or crashed
-                    for proc in procs:
-                        proc.terminate()
-                    raise DatabaseProblem(outcome[2])
-                report(outcome)
-            for proc in procs:
-                proc.join()
+        _run_workers(work, db_url, l2, force, lease_s, report)
     elapsed = time.perf_counter() - started
+    for key in keys:  # finished by other workers, or stored already
+        outcomes.setdefault(key.model_dump_json(), ("skipped", key.model_dump_json(), None))
+    ordered = [outcomes[k.model_dump_json()] for k in keys]
     if pending:
-        pending_keys.clear([k for k in keys if any(
-            o[0] != "failed" and o[1] == k.model_dump_json() for o in outcomes)])
-    _summarize(outcomes, elapsed, as_json, console)
-    if any(o[0] == "failed" for o in outcomes):
+        _clear_pending(db_url, keys, outcomes)
+    _summarize(ordered, elapsed, as_json, console, taken_over)
+    if any(o[0] == "failed" for o in ordered):
         raise SystemExit(1)
+
+
+def _clear_pending(db_url, keys: list, outcomes: dict[str, tuple]) -> None:
+    """Pending keys leave the file once stored (here or by another worker), or when no device here
+    can tune them."""
+    from ..db import open_store
+    from ..dispatch import pending as pending_keys
+
+    with open_store(db_url, on_damage="warn") as store:
+        pending_keys.clear([k for k in keys if outcomes[k.model_dump_json()][0] == "tuned"
+                            or (outcomes[k.model_dump_json()][0] == "skipped"
+                                and (outcomes[k.model_dump_json()][2] or store.get(k) is not None))])
+
+
+def _status(db_url, keys: list, as_json: bool) -> None:
+    """``kvsplit tune --status``: the progress of this grid (or of the pending keys)."""
+    from ..db import Claims, open_store
+    from ..db.render import console as table_console
+    from ..db.render import show_progress, to_json
+
+    with open_store(db_url, on_damage="warn") as store:
+        result = Claims(store).progress(keys)
+    if as_json:
+        click.echo(to_json(result))
+    else:
+        show_progress(table_console(), result)
 
 
 def _key_text(key: dict) -> str:
@@ -229,7 +303,8 @@ def _key_text(key: dict) -> str:
             f"on {device.get('name', '?')}")
 
 
-def _summarize(outcomes, elapsed: float, as_json: bool, console: Console) -> None:
+def _summarize(outcomes, elapsed: float, as_json: bool, console: Console,
+               taken_over: list[tuple[str, str]] = ()) -> None:
     from ..db import TuningRecord
 
     counts = Counter(o[0] for o in outcomes)
@@ -243,6 +318,8 @@ def _summarize(outcomes, elapsed: float, as_json: bool, console: Console) -> Non
         "geomean_speedup_over_k1": geomean, "seconds": round(elapsed, 2),
         "ms_per_tuned_key": round(1e3 * elapsed / counts["tuned"], 1) if counts["tuned"] else None,
         "failures": [{"key": json.loads(o[1]), "error": o[2]} for o in outcomes if o[0] == "failed"],
+        # Keys this run took over from a worker whose lease ran out (fleet tuning).
+        "taken_over": [{"key": json.loads(raw), "from": owner} for raw, owner in taken_over],
     }
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -253,6 +330,8 @@ def _summarize(outcomes, elapsed: float, as_json: bool, console: Console) -> Non
         table.add_row(name, "-" if value is None else str(value))
     table.add_row("winners", ", ".join(f"{w}: {n}" for w, n in sorted(winners.items())) or "-")
     table.add_row("speed-up over K=1 (geomean)", f"{geomean:.2f}x" if geomean else "-")
+    if taken_over:
+        table.add_row("taken over (lease ran out)", str(len(taken_over)))
     Console().print(table)
     for failure in summary["failures"]:
         # One line per key, unwrapped, the error as it is (no markup in it).

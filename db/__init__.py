@@ -13,6 +13,7 @@ Typical use::
 
 from ..config import FAMILIES, KernelConfig
 from ..config import check_params as check_config
+from .claims import Claim, Claims, Step
 from .connect import open_store, open_store_for_library, open_store_for_repair
 from .decode import Damage
 from .engine import DEFAULT_TIMEOUT_S, ENV_VAR, default_url, resolve_url
@@ -23,17 +24,20 @@ from .schemas import (
     BuildStats,
     CandidateResult,
     ChoiceKey,
+    ClaimInfo,
     DeviceInfo,
     DeviceStats,
     ExportFile,
     ImportSummary,
     KernelBuildInfo,
+    Progress,
     PruneResult,
     RepairResult,
     StoreStats,
     TuningKey,
     TuningPolicy,
     TuningRecord,
+    WorkerProgress,
 )
 from .store import Store
 from .transfer import dump_export, make_export, parse_export, read_export
@@ -46,6 +50,9 @@ __all__ = [
     "BuildStats",
     "CandidateResult",
     "ChoiceKey",
+    "Claim",
+    "ClaimInfo",
+    "Claims",
     "Damage",
     "DamagedRows",
     "DbWarning",
@@ -57,16 +64,19 @@ __all__ = [
     "KernelBuildInfo",
     "NoDatabase",
     "KernelConfig",
+    "Progress",
     "PruneResult",
     "RepairResult",
     "SchemaDamaged",
     "SchemaTooNew",
     "Store",
     "StoreError",
+    "Step",
     "StoreStats",
     "TuningKey",
     "TuningPolicy",
     "TuningRecord",
+    "WorkerProgress",
     "check_config",
     "default_url",
     "dump_export",

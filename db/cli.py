@@ -13,12 +13,14 @@ from typing import Any, BinaryIO
 import click
 
 from ..clikit import EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option, db_url
+from .claims import Claims
 from .connect import open_store, open_store_for_repair
 from .errors import InvalidExportError
 from .render import (
     console,
     records_table,
     show_import,
+    show_progress,
     show_prune,
     show_record,
     show_repair,
@@ -301,6 +303,24 @@ def prune(
         )
     else:
         show_prune(console(), result)
+
+
+@db.command()
+@_json_flag
+@db_option
+@click.pass_context
+def progress(ctx: click.Context, as_json: bool) -> None:
+    """Fleet tuning: every key any `kvsplit tune` registered, done / claimed / failed / left.
+
+    Shows who holds claims (host/pid/device) since when, with their last
+    heartbeat, and why keys failed. For one grid, give `kvsplit tune` its grid
+    options and --status instead.
+    """
+    result = Claims(_open(ctx)).progress()
+    if as_json:
+        click.echo(to_json(result))
+    else:
+        show_progress(console(), result)
 
 
 @db.command()

@@ -31,13 +31,14 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import ColumnClause, FunctionElement
 from sqlalchemy.types import NullType
 
-from .models import CanonicalJSON, Candidate, Device, KernelBuild, TuningResult, UTCDateTime
-from .schemas import CandidateResult, DeviceInfo, KernelBuildInfo, TuningRecord
+from .models import CanonicalJSON, Candidate, Device, Generation, KernelBuild, TuningClaim, TuningResult, UTCDateTime
+from .schemas import CandidateResult, ClaimInfo, DeviceInfo, KernelBuildInfo, TuningRecord
 
 DEVICES, BUILDS = Device.__table__, KernelBuild.__table__
 RESULTS, CANDIDATES = TuningResult.__table__, Candidate.__table__
-#: Every table whose rows are read, parents first.
-TABLES: tuple[Table, ...] = (DEVICES, BUILDS, RESULTS, CANDIDATES)
+CLAIMS, GENERATION = TuningClaim.__table__, Generation.__table__
+#: Every table whose rows are read, parents first (the fleet's two tables stand alone).
+TABLES: tuple[Table, ...] = (DEVICES, BUILDS, RESULTS, CANDIDATES, CLAIMS, GENERATION)
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,21 @@ def candidate_row(raw: Mapping[str, Any]) -> tuple[int, CandidateResult]:
         },
     )
     return v["result_id"], candidate
+
+
+def claim_row(raw: Mapping[str, Any]) -> ClaimInfo:
+    """A row of ``tuning_claims`` (the key is canonical JSON of a TuningKey)."""
+    values = row_values(CLAIMS, raw)
+    values.pop("id")
+    return _validated(ClaimInfo, values)
+
+
+def generation_row(raw: Mapping[str, Any]) -> int:
+    """The counter of a ``tuning_generation`` row (never negative)."""
+    value = row_values(GENERATION, raw)["generation"]
+    if value < 0:
+        raise Unparsable(f"generation is negative (stored {shown(value)})")
+    return value
 
 
 def _record_data(v: dict[str, Any], device: DeviceInfo, build: KernelBuildInfo) -> dict[str, Any]:

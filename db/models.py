@@ -1,4 +1,4 @@
-"""SQLAlchemy ORM models of the tuning database (schema revision 0002).
+"""SQLAlchemy ORM models of the tuning database (schema revision 0003).
 
 These classes never leave ``db/``: :mod:`.store` turns them into the pydantic
 models of :mod:`.schemas`.  Constraint names are spelled out because Alembic's
@@ -187,3 +187,38 @@ class Candidate(Base):
     @property
     def config(self) -> dict[str, Any]:
         return {"family": self.family, "params": self.params}
+
+
+class TuningClaim(Base):
+    """One key of a fleet's grid: who tunes it, until when, and how it ended.
+
+    ``key`` is the canonical JSON of the :class:`~kvsplit.db.TuningKey` (no
+    foreign keys: pruning results or devices never touches a claim).
+    ``state`` is ``open`` (registered, never claimed), ``claimed`` (a worker
+    holds a lease until ``expires_at``, renewed by heartbeats), ``done`` or
+    ``failed`` (``error`` says why).  ``heartbeat_at`` is the last renewal, or
+    when the claim ended.  Times come from the database server's clock.
+    """
+
+    __tablename__ = "tuning_claims"
+    __table_args__ = (UniqueConstraint("key", name="uq_tuning_claims_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[dict[str, Any]] = mapped_column(CanonicalJSON)
+    state: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer)
+    claimed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Generation(Base):
+    """One row (id 1) whose counter goes up with every write of results (upsert, import,
+    repair, prune): a serving process compares it to notice new winners cheaply."""
+
+    __tablename__ = "tuning_generation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    generation: Mapped[int] = mapped_column(Integer)

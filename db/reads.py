@@ -11,7 +11,9 @@ from sqlalchemy.orm import Session
 from .decode import (
     BUILDS,
     CANDIDATES,
+    CLAIMS,
     DEVICES,
+    GENERATION,
     RESULTS,
     TABLES,
     Damage,
@@ -19,6 +21,8 @@ from .decode import (
     StoredRecord,
     Unparsable,
     assemble,
+    claim_row,
+    generation_row,
     raw_columns,
     result_row,
     row_values,
@@ -151,6 +155,12 @@ def scan(session: Session) -> Scan:
         record = assemble(result_id, data, per_result.get(result_id, []), damage)
         if record is not None:
             records.append(StoredRecord(result_id, record))
+    for table, decode in ((CLAIMS, claim_row), (GENERATION, generation_row)):
+        for row_id, row in raw[table.name].items():
+            try:
+                decode(row)
+            except Unparsable as bad:
+                damage[(table.name, row_id)] = Damage(table.name, row_id, str(bad), row)
     # Damage found by assemble has no raw row yet: give it the stored one.
     listed = [
         d if d.raw else Damage(d.table, d.row_id, d.problem, raw[d.table].get(d.row_id, {}))

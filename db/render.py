@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .schemas import BASELINE, ImportSummary, PruneResult, RepairResult, StoreStats, TuningRecord
+from .schemas import BASELINE, ImportSummary, Progress, PruneResult, RepairResult, StoreStats, TuningRecord
 
 
 def _key_cells(k) -> tuple[str, ...]:
@@ -176,3 +176,28 @@ def show_repair(out: Console, result: RepairResult) -> None:
     out.print(f"{moved} {result.count} rows ({per_table}) to {result.quarantine_file}")
     for problem in result.problems:
         out.print(f"  {problem}", markup=False, highlight=False)
+
+
+def _ago(now: datetime, then: datetime | None) -> str:
+    return f"{(now - then).total_seconds():.0f} s ago" if then is not None else "-"
+
+
+def show_progress(out: Console, progress: Progress) -> None:
+    """A grid's progress: the counts, who holds claims since when, what failed and why."""
+    out.print(
+        f"{progress.url}: {progress.keys} keys: {progress.done} done, {progress.claimed} claimed, "
+        f"{progress.failed} failed, {progress.left} left"
+        + (f" ({progress.expired} with an expired lease, claimable)" if progress.expired else "")
+        + f"; {progress.attempts} attempts"
+    )
+    if progress.workers:
+        workers = Table(title="workers holding claims (owner = host/pid/device)", box=box.SIMPLE_HEAD)
+        for name in ("owner", "keys", "since (UTC)", "last heartbeat"):
+            workers.add_column(name)
+        for w in progress.workers:
+            workers.add_row(w.owner, str(w.claimed), _when(w.since), _ago(progress.now, w.heartbeat_at))
+        out.print(workers)
+    for claim in progress.failures:
+        cells = " ".join(_key_cells(claim.key))
+        out.print(f"failed on {claim.owner}: {cells}: ", end="", markup=False, highlight=False, soft_wrap=True)
+        out.print(claim.error or "?", markup=False, highlight=False, soft_wrap=True)

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from .decode import CANDIDATES, TABLES
+from .decode import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .reads import scan
 from .engine import default_quarantine_path
 from .schemas import RepairResult
@@ -86,7 +86,7 @@ def quarantine(session: Session, shown_url: str, url: str, path: Path | None, *,
         out.flush()
         os.fsync(out.fileno())
     # Children before parents.
-    for table in (CANDIDATES, *reversed(TABLES[:3])):
+    for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):
         ids = [row_id for t, row_id in chosen if t == table.name]
         for start in range(0, len(ids), _CHUNK):
             session.execute(delete(table).where(table.c.id.in_(ids[start : start + _CHUNK])))

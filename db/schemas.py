@@ -269,3 +269,68 @@ class StoreStats(_Model):
     current_build: str | None
     oldest: datetime | None
     newest: datetime | None
+
+
+# -- fleet tuning ---------------------------------------------------------------------------
+
+ClaimState = Literal["open", "claimed", "done", "failed"]
+
+
+class ClaimInfo(_Model):
+    """One key of a fleet's grid as the claims table holds it (see :mod:`kvsplit.db.claims`).
+
+    Times come from the database server's clock.  A ``claimed`` claim whose
+    ``expires_at`` has passed may be taken over by any worker.
+    """
+
+    key: TuningKey
+    state: ClaimState
+    owner: str | None = Field(default=None, min_length=1, max_length=255)
+    attempts: Count
+    claimed_at: datetime | None = None
+    heartbeat_at: datetime | None = None
+    expires_at: datetime | None = None
+    error: str | None = Field(default=None, min_length=1)
+
+    _to_utc = field_validator("claimed_at", "heartbeat_at", "expires_at")(_utc)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClaimInfo:
+        if self.state == "open" and (self.owner is not None or self.attempts):
+            raise ValueError("an open claim has no owner and no attempts")
+        if self.state != "open" and (self.owner is None or self.claimed_at is None or not self.attempts):
+            raise ValueError(f"a {self.state} claim needs an owner, claimed_at and attempts >= 1")
+        if self.state == "claimed" and self.expires_at is None:
+            raise ValueError("a claimed claim needs expires_at")
+        return self
+
+
+class WorkerProgress(_Model):
+    """A worker (host/pid/device) that holds live claims."""
+
+    owner: str
+    claimed: int
+    since: datetime | None
+    heartbeat_at: datetime | None
+
+
+class Progress(_Model):
+    """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``.
+
+    ``done``: a result is stored; ``claimed``: a worker holds a live lease;
+    ``failed``: the last attempt failed (``failures`` says why); ``left``:
+    everything else, including ``expired`` claims (their worker stopped
+    renewing: any worker may take them over).
+    """
+
+    url: str
+    now: datetime
+    keys: int
+    done: int
+    claimed: int
+    failed: int
+    left: int
+    expired: int
+    attempts: int
+    workers: list[WorkerProgress]
+    failures: list[ClaimInfo]

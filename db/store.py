@@ -25,6 +25,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from . import generation
 from . import repair as repairing
 from .decode import Damage
 from .reads import read_records, scan
@@ -147,7 +148,22 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
 
-    def _run(self, work: Callable[[Session], T], *, write: bool) -> T:
+    def after_fork(self) -> None:
+        """In a forked child: drop the parent's pooled connections without closing them."""
+        self._engine.dispose(close=False)
+
+    def transaction(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
+        """Run ``work(session)`` in one transaction, as every operation of the store does.
+
+        For the other modules of ``db/`` (the fleet's claims): database errors
+        become :class:`StoreError` (or, with ``fallback``, a warning and
+        memory); a write that meets a unique-key race is retried.  ``bump``
+        also advances the generation counter in the same transaction (a write
+        of results).
+        """
+        return self._run(work, write=write, bump=bump)
+
+    def _run(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         attempt = 0
         while True:
             engine = self._engine
@@ -156,7 +172,10 @@ class Store:
             guard = self._memory_lock if self.in_memory else contextlib.nullcontext()
             try:
                 with guard, Session(bound, expire_on_commit=False) as session, session.begin():
-                    return work(session)
+                    value = work(session)
+                    if bump:
+                        generation.bump(session)
+                    return value
             except IntegrityError as exc:
                 attempt += 1
                 if write and attempt < _WRITE_ATTEMPTS:
@@ -228,7 +247,7 @@ class Store:
             for record in records:
                 write_record(session, record, find_for_write(session, record.key), now)
 
-        self._run(work, write=True)
+        self._run(work, write=True, bump=True)
 
     # -- reads --------------------------------------------------------------
 
@@ -321,6 +340,15 @@ class Store:
 
         return self._read(work)
 
+    def generation(self) -> object:
+        """The generation counter as stored (``None`` before the first write).
+
+        It changes with every write of results (upsert, import, repair,
+        prune), here or in any other process: one primary-key lookup tells a
+        process whether its cached winners are still current.
+        """
+        return self._run(generation.read, write=False)
+
     # -- damage -------------------------------------------------------------
 
     def damage(self) -> list[Damage]:
@@ -350,7 +378,7 @@ class Store:
         def work(session: Session) -> RepairResult:
             return repairing.quarantine(session, self.url, str(self._engine.url), quarantine, dry_run=dry_run)
 
-        return self._run(work, write=not dry_run)
+        return self._run(work, write=not dry_run, bump=not dry_run)
 
     # -- pruning ------------------------------------------------------------
 
@@ -400,7 +428,7 @@ class Store:
                 raise DamagedRows(self.url, damage)  # before the transaction commits: nothing deleted
             return PruneResult(keys=keys, dry_run=dry_run), damage
 
-        value, damage = self._run(work, write=not dry_run)
+        value, damage = self._run(work, write=not dry_run, bump=not dry_run)
         self._report(damage)
         return value
 
@@ -451,4 +479,4 @@ class Store:
             counts = merge_records(session, records, rule=rule, dry_run=dry_run, now=_now())
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
-        return self._run(work, write=not dry_run)
+        return self._run(work, write=not dry_run, bump=not dry_run)

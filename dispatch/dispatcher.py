@@ -19,6 +19,10 @@ A choice is a :class:`~kvsplit.config.KernelConfig` of either family. Whatever
 the source, :func:`constrain_config` has the last word, so a tampered table
 can only cost speed. ``kvsplit.merge`` keeps its per-layout launch plans in
 :attr:`Dispatcher.plans`, so that :meth:`Dispatcher.forget` drops them too.
+
+Winners that other processes store later (a fleet tuning while this one
+serves) are picked up by :meth:`Dispatcher.refresh`: on a miss, and every
+``KVSPLIT_REFRESH_S`` seconds (see :mod:`.refresh`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from importlib import resources
 
@@ -36,6 +41,7 @@ from ..autotune import tuner
 from ..config import KernelConfig, build_hash
 from ..db import open_store_for_library, read_export
 from . import pending as pending_keys
+from .refresh import Refresher, refresh_interval
 from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
                           configs_for_key, constrain_config, kvsplit_config)
 from .device import DeviceFacts
@@ -47,6 +53,8 @@ __all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher
 
 log = logging.getLogger("kvsplit.dispatch")
 _LIBRARY_DB_TIMEOUT_S = 5.0
+#: Decisions that come from a table of winners: a refresh that changes their key drops them.
+_TABLE_SOURCES = ("database", "shipped", "heuristic", "tuned")
 MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
     "dsplit:SLICES:KV_SPLIT[:DEPTH]",)
 
@@ -150,10 +158,15 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._key_locks: dict[object, threading.Lock] = {}
         self._tables: dict[tuple, dict] = {}
+        self._generations: dict[tuple, object] = {}  # per table: the generation it was loaded at
         self._store = None
         self._store_url: str | None = None
+        self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
         #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
         self.plans: dict[tuple, object] = {}
+        # Child hooks run in the order registered: the pool goes before a refresh thread starts.
+        os.register_at_fork(after_in_child=_forget_pool(self))
+        self._refresher = Refresher(self.refresh)
 
     # -- hot path ---------------------------------------------------------------------------
     def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
@@ -223,7 +236,11 @@ class Dispatcher:
         key = tuning_key(facts, build_hash(facts.is_cuda), head_dim, dtype_name(partial_dtype),
                          dtype_name(out_dtype), STATS_FORMATS[stats_format], num_splits, rows,
                          scattered)
+        loaded = (facts, key.build_hash, db_url) not in self._tables
         stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
+        if stored is None and not loaded and refresh_interval() is not None and self.refresh():
+            # A miss: another process may have stored this key since the table was read.
+            stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
         if stored is not None:
             return Decision(constrained(stored), "database", key)
         shipped = _shipped_table(facts).get(key.choice_key)
@@ -270,15 +287,69 @@ class Dispatcher:
                 # long behind another process's write lock.
                 self._store = open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
                 self._store_url = db_url
+                self._store_in_memory = self._store.in_memory
             return self._store
 
     def _table(self, facts: DeviceFacts, build_hash: str, db_url: str | None) -> dict:
         with self._lock:
             table = self._tables.get((facts, build_hash, db_url))
             if table is None:
-                table = self._open_store(db_url).load_choices(device_info(facts), build_hash)
+                refresh_interval()  # an invalid KVSPLIT_REFRESH_S raises here, on the caller's call
+                store = self._open_store(db_url)
+                # The generation first: a write between the two reads makes the next check reload.
+                generation = store.generation()
+                table = store.load_choices(device_info(facts), build_hash)
                 self._tables[(facts, build_hash, db_url)] = table
+                self._generations[(facts, build_hash, db_url)] = generation
+                if not store.in_memory:
+                    self._refresher.start()
             return table
+
+    def refresh(self) -> bool:
+        """Reload the cached tables if the database changed since they were read; whether any did.
+
+        One query (the generation counter) when nothing changed. On a change,
+        every cached choice whose stored winner changed (or that a new winner
+        now covers) is dropped, and so is every launch plan of
+        ``kvsplit.merge``: the next call of those shapes chooses again, once.
+        A store that fell back to memory after a database problem is left
+        alone: the tables read before it keep serving.
+        """
+        with self._lock:
+            store, url = self._store, self._store_url
+            if store is None or store.in_memory != self._store_in_memory:
+                return False
+            current = store.generation()
+            if store.in_memory != self._store_in_memory:  # that very read failed over to memory
+                return False
+            stale = [k for k in self._tables if k[2] == url and self._generations.get(k) != current]
+            if current is None or not stale:
+                return False
+            changed = False
+            for table_key in stale:
+                facts, build, _ = table_key
+                table = self._tables[table_key]
+                fresh = store.load_choices(device_info(facts), build)
+                self._generations[table_key] = current
+                moved = {k for k in table.keys() | fresh.keys() if table.get(k) != fresh.get(k)}
+                if not moved:
+                    continue
+                changed = True
+                table.clear()  # in place: a profile in flight still holds this dict
+                table.update(fresh)
+                self._drop_decisions(facts, build, url, moved)
+            if changed:
+                self.plans.clear()
+                log.info("kvsplit: the tuning database changed (generation %s): new winners in use", current)
+            return changed
+
+    def _drop_decisions(self, facts: DeviceFacts, build: str, url: str | None, moved: set) -> None:
+        for fast_key, decision in list(self._decisions.items()):
+            if (decision.source in _TABLE_SOURCES and decision.key is not None and fast_key[0] == facts
+                    and decision.key.build_hash == build and _text(fast_key[-1][2]) == url
+                    and decision.key.choice_key in moved):
+                del self._decisions[fast_key]
+                self._fast.pop(fast_key, None)
 
     def forget(self) -> None:
         """Drop every cached choice and table (they are re-read on the next call)."""
@@ -287,9 +358,21 @@ class Dispatcher:
             self._decisions.clear()
             self.plans.clear()
             self._tables.clear()
+            self._generations.clear()
             if self._store is not None:
                 self._store.close()
             self._store = None
+
+
+def _forget_pool(dispatcher: Dispatcher):
+    """An at-fork hook: the child must not use the parent's pooled database connections."""
+    ref = weakref.ref(dispatcher)
+
+    def hook() -> None:
+        owner = ref()
+        if owner is not None and owner._store is not None:
+            owner._store.after_fork()
+    return hook
 
 
 _SHIPPED: dict[DeviceFacts, dict] = {}

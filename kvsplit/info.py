@@ -30,6 +30,7 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
 
     from .dispatch import InvalidSetting
     from .dispatch.dispatcher import read_settings
+    from .dispatch.refresh import refresh_interval
 
     ext = _native.ext()
     on_gpu = torch.cuda.is_available() and has_cuda_kernels()
@@ -66,4 +67,10 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
             facts[name] = f"invalid: {error}"
             exit_code = 2
     facts["pdl"] = "on" if environ.get("KVSPLIT_PDL") == "1" else "off"
+    try:
+        interval = refresh_interval()
+        facts["refresh"] = f"every {interval:g} s and on a miss" if interval else "off"
+    except InvalidSetting as error:
+        facts["refresh"] = f"invalid: {error}"
+        exit_code = 2
     return facts, exit_code

@@ -11,13 +11,17 @@ Stats formats are named by one string everywhere: ``"maxsum"``,
 from __future__ import annotations
 
 import math
+import os
+import secrets
 import sys
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import sqlalchemy as sa
 import torch
+from sqlalchemy.engine import make_url
 
 import kvsplit
 from kvsplit import _kernel, reference
@@ -29,6 +33,7 @@ from kvsplit.dispatch.constraints import KVSPLIT
 # Test helper modules (merge_grid.py) import by name under --import-mode=importlib.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+PG_ENV = "KVSPLIT_TEST_PG_URL"
 LOG2E = 1.0 / math.log(2.0)
 BASES = {"lse2": 2.0, "lsee": math.e}
 
@@ -229,3 +234,41 @@ def chosen_kv_split(monkeypatch):
 
     monkeypatch.setattr(merge_module, "_launch", spy)
     return chosen
+
+
+# -- databases: SQLite, and PostgreSQL when KVSPLIT_TEST_PG_URL is set (.ci/postgres.sh) ------
+
+
+@pytest.fixture(scope="session")
+def pg_session_url():
+    """A database of its own on the test server, dropped at the end of the session."""
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"{PG_ENV} is not set: no PostgreSQL server (source .ci/postgres.sh to start one)")
+    name = f"kvsplit_test_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_session_url):
+    """The session database with an empty public schema."""
+    engine = sa.create_engine(pg_session_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+    return pg_session_url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    """URL of an empty database, once per backend."""
+    if request.param == "postgres":
+        return request.getfixturevalue("pg_url")
+    return f"sqlite:///{tmp_path / 'tuning.sqlite'}"

@@ -39,7 +39,7 @@ def env(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'tuning.sqlite'}"
     monkeypatch.setenv("KVSPLIT_DB", url)
     monkeypatch.setenv("KVSPLIT_PENDING", str(tmp_path / "pending.jsonl"))
-    for name in ("KVSPLIT_MODE", "KVSPLIT_MAX_SPLIT", "KVSPLIT_PDL"):
+    for name in ("KVSPLIT_MODE", "KVSPLIT_MAX_SPLIT", "KVSPLIT_PDL", "KVSPLIT_REFRESH_S"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(pending, "_keys", set())
     dispatch_module.dispatcher.forget()
@@ -111,6 +111,7 @@ def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
     ("KVSPLIT_MAX_SPLIT", "abc", "max kv_split"),
     ("KVSPLIT_MAX_SPLIT", "0", "max kv_split"),
     ("KVSPLIT_MAX_SPLIT", "-1", "max kv_split"),
+    ("KVSPLIT_REFRESH_S", "soon", "refresh"),
 ])
 def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, value, shown):
     monkeypatch.setenv(name, value)
@@ -233,6 +234,76 @@ def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_pat
     result = kvsplit("tune", *GRID, "--db", f"sqlite:///{not_a_db}")
     assert result.exit_code == 3 and "Traceback" not in result.output
     assert "garbage.sqlite" in result.output
+
+
+# -- tune as one worker of a fleet -----------------------------------------------------------
+
+def test_tune_status_shows_the_grids_progress_and_tunes_nothing(env, monkeypatch):
+    before = kvsplit("tune", *GRID, "--status", "--json")
+    assert before.exit_code == 0, before.output
+    progress = json.loads(before.stdout)
+    assert (progress["keys"], progress["done"], progress["claimed"], progress["failed"],
+            progress["left"]) == (4, 0, 0, 0, 4)
+    assert kvsplit("tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8", "--rows", "4,8",
+                   "--json").exit_code == 0
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("--status tuned a key")
+
+    monkeypatch.setattr(tuner, "tune", forbidden)
+    after = json.loads(kvsplit("tune", *GRID, "--status", "--json").stdout)
+    assert (after["done"], after["left"], after["attempts"]) == (2, 2, 2)
+    text = kvsplit("tune", *GRID, "--status").stdout
+    assert "4 keys: 2 done, 0 claimed, 0 failed, 2 left" in text
+
+
+def test_db_progress_shows_every_registered_key_and_why_one_failed(env, monkeypatch):
+    real = tuner.tune
+
+    def failing(key, *args, **kwargs):
+        if key.num_splits == 16 and key.rows == 8:
+            raise RuntimeError("simulated launch failure")
+        return real(key, *args, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", failing)
+    assert kvsplit("tune", *GRID, "--json").exit_code == 1
+    for args in (["db", "progress", "--db", env.url, "--json"], ["--db", env.url, "db", "progress", "--json"]):
+        result = kvsplit(*args)
+        assert result.exit_code == 0, result.output
+        progress = json.loads(result.stdout)
+        assert (progress["keys"], progress["done"], progress["failed"], progress["left"]) == (4, 3, 1, 0)
+        (failure,) = progress["failures"]
+        assert failure["error"] == "RuntimeError: simulated launch failure"
+        assert failure["owner"].endswith(f"/{os.getpid()}/cpu")
+    text = kvsplit("db", "progress").stdout
+    assert "failed on" in text and "simulated launch failure" in text
+    # A new run tries the failed key again (the failure was before it started).
+    monkeypatch.setattr(tuner, "tune", real)
+    again = json.loads(kvsplit("tune", *GRID, "--json").stdout)
+    assert (again["tuned"], again["skipped"], again["failed"]) == (1, 3, 0)
+
+
+def test_tune_waits_for_a_live_claim_and_takes_it_over_once_its_lease_runs_out(env):
+    from kvsplit.db import Claims
+
+    key = cpu_key(64, 16, 8)
+    with open_store(env.url) as store:
+        claims = Claims(store)
+        held = claims.claim_next([key], "lost-host/4242/cuda:0", 1.0, run_started=claims.now()).claim
+    assert held is not None
+    result = kvsplit("tune", *GRID, "--json", "--lease", "1")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert (summary["keys"], summary["tuned"]) == (4, 4)
+    assert summary["taken_over"] == [{"key": json.loads(key.model_dump_json()), "from": "lost-host/4242/cuda:0"}]
+    people = kvsplit("tune", *GRID, "--force", "--lease", "1")
+    assert "taken over" not in people.stdout  # nothing to take over this time
+
+
+@pytest.mark.parametrize("lease", ["0", "-1", "soon"])
+def test_tune_refuses_a_lease_too_short_to_renew(env, lease):
+    result = kvsplit("tune", *GRID, "--lease", lease)
+    assert result.exit_code == 2 and "--lease" in result.output
 
 
 # -- tune --pending -----------------------------------------------------------------------------

@@ -66,7 +66,19 @@ TARGET_SQL = {
     "tuning_results": "SELECT min(id) FROM tuning_results",
     "tuning_candidates": "SELECT id FROM tuning_candidates WHERE result_id = (SELECT min(id) FROM tuning_results)"
     " AND params = '{\"kv_split\":2}'",
+    # The fleet's tables: the one failed claim of the template, and the generation counter.
+    "tuning_claims": "SELECT min(id) FROM tuning_claims",
+    "tuning_generation": "SELECT min(id) FROM tuning_generation",
 }
+
+
+def add_claim(store, key) -> None:
+    """Give the template a claim row with every column set but expires_at: claimed, then failed."""
+    from kvsplit.db import Claims
+
+    claims = Claims(store)
+    step = claims.claim_next([key], "fault-host/1/cpu", 60.0, run_started=claims.now(), force=True)
+    claims.finish(step.claim, error="RuntimeError: a fault-injection template")
 WINNER_CANDIDATE_SQL = (
     "SELECT id FROM tuning_candidates WHERE result_id = (SELECT min(id) FROM tuning_results)"
     " AND params = '{\"kv_split\":4}'"
@@ -181,6 +193,9 @@ def _other_faults() -> list[Fault]:
               schema=True),
         Fault("table:tuning_candidates:dropped", _both("DROP TABLE tuning_candidates"), winners_only=True,
               schema=True),
+        # The fleet's tables hold no results: dropped, they are recreated empty and every record stays.
+        Fault("table:tuning_claims:dropped", _both("DROP TABLE tuning_claims"), schema=True),
+        Fault("table:tuning_generation:dropped", _both("DROP TABLE tuning_generation"), schema=True),
         # Rows that parse one by one but not as a record.
         Fault("record:winner-did-not-match",
               _both(f"UPDATE tuning_candidates SET matched = false WHERE id = ({WINNER_CANDIDATE_SQL})"),

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
-from faultlib import all_faults, cpu_records, fault_names, inject
+from faultlib import add_claim, all_faults, cpu_records, fault_names, inject
 
 from kvsplit.cli import main
 from kvsplit.db import KernelConfig, dump_export, make_export, open_store
@@ -66,6 +66,7 @@ class Databases:
             self.template = self._create(f"{self._prefix}_template")
         with open_store(self.template) as store:
             store.upsert_many(self.records.values())
+            add_claim(store, self.records["h200"].key)
             # Back by name: the stored records carry the stored times.
             stored = {r.key: r for r in store.query()}
         self.records = {name: stored[r.key] for name, r in self.records.items()}
@@ -208,7 +209,7 @@ def test_the_faults_cover_every_column_of_every_table():
     covered = {tuple(name.split(":")[0].split(".")) for name in FAULTS if ":" in name and "." in name}
     assert covered == columns
     assert all(f"{t}.{c}:{kind}" in FAULTS for t, c in columns for kind in ("wrong_type", "out_of_range", "unparsable"))
-    assert len(FAULTS) == 3 * len(columns) + 12
+    assert len(FAULTS) == 3 * len(columns) + 14
 
 
 @pytest.mark.parametrize("fault_name", fault_names())

@@ -1,4 +1,4 @@
-"""Schema versions: fresh databases, the 0001 -> 0002 upgrade with data, newer schemas refused."""
+"""Schema versions: fresh databases, the 0001 -> head and 0002 -> head upgrades with data, newer schemas refused."""
 
 from __future__ import annotations
 
@@ -91,14 +91,14 @@ def test_empty_database_is_created_at_head_and_matches_the_models(db_url):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DbWarning)  # creating is not an upgrade: no warning
         open_store(db_url).close()
-    assert _revision(db_url) == head_revision() == "0002"
+    assert _revision(db_url) == head_revision() == "0003"
     assert _schema_diff(db_url) == []
 
 
 def test_revision_1_with_data_is_upgraded_in_place(db_url):
     _build_revision_1(db_url)
     assert _revision(db_url) == "0001"
-    with pytest.warns(DbWarning, match="from schema revision 0001 to 0002") as caught:
+    with pytest.warns(DbWarning, match="from schema revision 0001 to 0003") as caught:
         store = open_store(db_url)
     assert len(caught) == 1
     records = {r.key.rows: r for r in store.query()}
@@ -132,8 +132,8 @@ def test_downgrade_and_upgrade_again_keep_the_data(db_url):
         store.upsert_many([make_record(rows=1, winner=2), make_record(rows=2, winner=16)])
         before = store.query()
     engine = create_db_engine(db_url)
-    assert upgrade(engine, "0001") == ("0002", "0001")
-    assert upgrade(engine, "head") == ("0001", "0002")
+    assert upgrade(engine, "0001") == ("0003", "0001")
+    assert upgrade(engine, "head") == ("0001", "0003")
     engine.dispose()
     with open_store(db_url) as store:
         assert store.query() == before
@@ -198,3 +198,33 @@ def test_a_database_from_before_the_dsplit_family_still_serves_its_choices(db_ur
     assert after[record.key.choice_key] == KernelConfig.dsplit(4, 16, 8)
     assert store.get(record.key).winner.label == "dsplit(depth=8, kv_split=16, slices=4)"
     store.close()
+
+
+def test_a_database_from_before_fleet_tuning_is_upgraded_and_takes_claims(db_url):
+    """Revision 0002 (no claims, no generation counter): its results stay, the fleet tables come empty."""
+    from kvsplit.db import Claims
+
+    _build_revision_1(db_url)
+    engine = create_db_engine(db_url)
+    assert upgrade(engine, "0002") == ("0001", "0002")
+    engine.dispose()
+    with pytest.warns(DbWarning, match="from schema revision 0002 to 0003"):
+        store = open_store(db_url)
+    assert sorted(r.key.rows for r in store.query()) == [64, 4096]
+    assert store.generation() is None  # no write since the upgrade
+    assert _schema_diff(db_url) == []
+    claims = Claims(store)
+    new = make_record(rows=32)
+    stored = store.query()[0].key
+    step = claims.claim_next([stored, new.key], "host/1/cpu", 30.0, run_started=claims.now())
+    assert step.claim is not None and step.claim.key == new.key  # the stored key is done already
+    assert step.standings["done"] == 1
+    claims.finish(step.claim, record=new)
+    assert store.generation() == 1
+    progress = claims.progress([stored, new.key])
+    assert (progress.keys, progress.done, progress.left, progress.attempts) == (2, 2, 0, 1)
+    store.close()
+    engine = create_db_engine(db_url)
+    assert upgrade(engine, "0002") == ("0003", "0002")  # and back: the fleet tables go, results stay
+    engine.dispose()
+    assert _revision(db_url) == "0002"

@@ -346,7 +346,7 @@ class Dispatcher:
     def _drop_decisions(self, facts: DeviceFacts, build: str, url: str | None, moved: set) -> None:
         for fast_key, decision in list(self._decisions.items()):
             if (decision.source in _TABLE_SOURCES and decision.key is not None and fast_key[0] == facts
-                    and decision.key.build_hash == build and _text(fast_key[-1][2]) == url
+                    and decision.key.build_hash == build and _text(fast_key[_ENVIRONMENT][2]) == url
                     and decision.key.choice_key in moved):
                 del self._decisions[fast_key]
                 self._fast.pop(fast_key, None)
@@ -374,6 +374,9 @@ def _forget_pool(dispatcher: Dispatcher):
             owner._store.after_fork()
     return hook
 
+
+# Where a fast key (see choose_for_plan) holds the environment tuple.
+_ENVIRONMENT = 8
 
 _SHIPPED: dict[DeviceFacts, dict] = {}
 

@@ -1,7 +1,8 @@
 """Turns the JSON of the GPU benchmarks into the markdown of docs/benchmarks.md.
 
     python benchmarks/report.py DIR     (DIR holds any of bench_merge.json,
-                                         bench_dispatch.json and bench_chain.json)
+                                         bench_dispatch.json, bench_chain.json,
+                                         bench_peers.json and bench_host_*.json)
 """
 
 from __future__ import annotations
@@ -131,6 +132,68 @@ def chain_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+PEER_COLUMNS = (("triton", "serial Triton"), ("compile", "torch.compile"))
+
+
+def _ratio_summary(name: str, ratios: list, over: float) -> str:
+    if not ratios:
+        return f"{name}: -"
+    worst = max(ratios, key=lambda x: x[0])
+    return (f"{name}: geomean {geomean(x for x, _ in ratios):.2f}, worst {worst[0]:.2f} "
+            f"({worst[1]}), over {over:g} at {sum(x > over for x, _ in ratios)} of {len(ratios)}")
+
+
+def peers_section(data: dict) -> str:
+    """Issue 14's table: kvsplit auto and best next to the read probe and the peers."""
+    results = data["results"]
+    lines = [f"{data['gpu']}, {data['date']}: copy {data['copy_bytes_per_us'] / 1e6:.2f} TB/s, "
+             f"empty launch {data['noop_us']:.2f} us; torch.compile mode "
+             f"{data.get('compile_mode', 'default')}; {data.get('versions', {})}"
+             + ("" if data.get("complete", True) else f"; INCOMPLETE ({len(results)} shapes)")]
+    for name, why in data.get("failures", {}).items():
+        lines.append(f"{name} failed: {why.strip().splitlines()[-1]}")
+    for regime in ("warm", "cold"):
+        lines += ["", f"**L2-{regime}** (us per launch; ratios > 1: kvsplit auto is slower)", "",
+                  "| D / rows / N | read | kvsplit auto | best | serial Triton | torch.compile "
+                  "| auto / read | best / read | auto / Triton | auto / compile | auto / best |",
+                  "|" + "---|" * 11]
+        ratios = {"read": [], "best_read": [], "triton": [], "compile": [], "best": []}
+        for r in results:
+            t = r[regime]
+            shape = f"{r['head_dim']} / {r['rows']} / {r['num_splits']}"
+            auto = t.get("auto")
+
+            def us(name):
+                return f"{t[name]:.2f}" if name in t else "-"
+
+            def ratio(key, num, den):
+                if num not in t or den not in t:
+                    return "-"
+                ratios[key].append((t[num] / t[den], shape))
+                return f"{t[num] / t[den]:.2f}"
+
+            triton = us("triton") + (f" (w{r['triton_warps']})" if "triton_warps" in r else "")
+            lines.append(
+                f"| {shape} | {us('read')} | {us('auto')} ({short(r['auto'])}) "
+                f"| {us('best')} ({short(r['best'])}) | {triton} | {us('compile')} "
+                f"| {ratio('read', 'auto', 'read')} | {ratio('best_read', 'best', 'read')} "
+                f"| {ratio('triton', 'auto', 'triton')} | {ratio('compile', 'auto', 'compile')} "
+                f"| {ratio('best', 'auto', 'best')} |" if auto is not None else f"| {shape} | - |")
+        lines += ["", "- " + _ratio_summary("auto / read", ratios["read"], 1.2),
+                  "- " + _ratio_summary("best / read", ratios["best_read"], 1.2),
+                  "- " + _ratio_summary("auto / serial Triton", ratios["triton"], 1.0),
+                  "- " + _ratio_summary("auto / torch.compile", ratios["compile"], 1.0),
+                  "- " + _ratio_summary("auto / best", ratios["best"], 1.05)]
+    diffs = [max(r["max_diff_vs_auto"].values()) for r in results if r["max_diff_vs_auto"]]
+    if diffs:
+        lines += ["", f"Largest |peer - kvsplit auto| over all shapes: {max(diffs):.1e} "
+                  "(bf16 outputs of order 1)."]
+    sources = sorted({r["auto_source"] for r in results})
+    lines.append("Auto choices from: " + ", ".join(
+        f"{s} {sum(r['auto_source'] == s for r in results)}" for s in sources) + ".")
+    return "\n".join(lines)
+
+
 def main() -> int:
     folder = pathlib.Path(sys.argv[1])
     if (folder / "bench_merge.json").exists():
@@ -141,7 +204,8 @@ def main() -> int:
         print(peer_table(merge), "\n")
         print(reference_table(merge), "\n")
     for name, render in (("bench_dispatch.json", dispatch_section),
-                         ("bench_chain.json", chain_table), ("bench_host_cuda.json", host_table),
+                         ("bench_chain.json", chain_table), ("bench_peers.json", peers_section),
+                         ("bench_host_cuda.json", host_table),
                          ("bench_host_cpu.json", host_table)):
         path = folder / name
         if path.exists():

@@ -149,6 +149,11 @@ class Decision:
         return self.config.kv_split
 
 
+# Where a fast key (built in Dispatcher.choose_for_plan, unpacked in _slow) holds the
+# environment tuple.
+_ENVIRONMENT = 8
+
+
 class Dispatcher:
     """Chooses kv_split per call; thread-safe; one per process (see :data:`dispatcher`)."""
 
@@ -374,9 +379,6 @@ def _forget_pool(dispatcher: Dispatcher):
             owner._store.after_fork()
     return hook
 
-
-# Where a fast key (see choose_for_plan) holds the environment tuple.
-_ENVIRONMENT = 8
 
 _SHIPPED: dict[DeviceFacts, dict] = {}
 

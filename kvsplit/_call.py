@@ -13,8 +13,10 @@ import math
 
 import torch
 
-from .layout import (_PUBLIC_ROW_DIMS, LSE, _extent, _LayoutPlan, _plans, _read_environment,
-                     _stats_name, _type_error)
+from .layout import (_PUBLIC_ROW_DIMS, LSE, _check_grad, _extent, _LayoutPlan, _plans,
+                     _read_environment, _stats_name, _type_error)
+
+
 def _meta(tensor) -> tuple:
     return (tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
 
@@ -149,9 +151,8 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
         first = partial_o[0]
     else:
         o_addresses, s_addresses, first = [partial_o.data_ptr()], [stats.data_ptr()], partial_o
-    if first.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("kvsplit merges have no backward: call them under torch.no_grad() "
-                           "or on tensors that do not require grad (.detach())")
+    if first.requires_grad:
+        _check_grad(first)
     if plan.parts > 1:
         o_split = _split_step("partial_o", o_addresses, 16) // plan.o_bytes
         s_split = _split_step(_stats_name(fmt), s_addresses, 4) // 4

@@ -157,6 +157,13 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
     return out_dtype
 
 
+def _check_grad(*tensors) -> None:
+    """Raises if grad mode is on and an input requires grad (a merge has no backward)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("kvsplit merges have no backward: call them under torch.no_grad() "
+                           "or on tensors that do not require grad (.detach())")
+
+
 def _stats_name(fmt: int) -> str:
     return "partial_stats" if fmt == MAXSUM else "partial_lse"
 
@@ -207,6 +214,7 @@ class _LayoutPlan:
         else:
             self.log2_scale = 1.0 if scalar == 2.0 else _LOG2E
             export_scale = 1.0 if scalar == 2.0 else _LN2
+        # native and device_index repeat kernel's, one attribute away for the per-call launch.
         self.kernel, self.native, self.device_index, self.cacheable = None, None, -1, True
         if rows:
             facts = device_facts(device)

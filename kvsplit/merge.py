@@ -24,7 +24,7 @@ import torch
 from . import _kernel
 from ._call import merge_call
 from .layout import (_FLOAT32_MAX, _LN2, LSE, MAXSUM, _check_scalar, _is_compiling, _LayoutPlan,
-                     _plans, _read_environment, _stats_name, _validate)
+                     _check_grad, _plans, _read_environment, _stats_name, _validate)
 
 _merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
 _current_stream = _kernel.current_stream
@@ -57,12 +57,6 @@ def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
         if key is not None and plan.cacheable:
             _plans[key] = plan
     return plan
-
-
-def _check_grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError("kvsplit merges have no backward: call them under torch.no_grad() "
-                           "or on tensors that do not require grad (.detach())")
 
 
 # The order of the addresses of a launch (see _kernel.Plan.launch).

@@ -141,7 +141,7 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
   std::vector<State> groups(config.kv_split);
 
   for (int64_t row = row_begin; row < row_end; ++row) {
-    const RowIndex at = split_row(p, row);
+    const RowIndex at = locate_row(p, row);
     if (!row_selected(p, at)) continue;
     int num_splits = static_cast<int>(p.num_splits);
     if (p.split_counts != nullptr) num_splits = std::clamp(p.split_counts[row], 0, num_splits);
@@ -153,7 +153,7 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
     }
     combine_groups(groups, config, lanes);
     State& state = groups[0];
-    const float sink_log2 = p.sinks != nullptr ? p.sinks[at.head] * kLog2E : neg_inf();
+    const float sink_log2 = p.sinks != nullptr ? p.sinks[row_head(p, at)] * kLog2E : neg_inf();
     float out[kHeadDim], log2_total;
     const float total = state.finalize(sink_log2, out, log2_total);
     const int64_t out_base = p.out_row.at(at);
@@ -172,7 +172,9 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
 
 }  // namespace
 
-Status merge_cpu(const MergeParams& params, const KernelConfig& config) {
+Status merge_cpu(const MergeParams& call, const KernelConfig& config) {
+  MergeParams params = call;
+  flatten_rows(params);  // as the CUDA launcher does, so both take the same path
   Status status = check_problem(params);
   if (status.ok()) status = check_config(config, params.head_dim, elem_bytes(params.partial_dtype));
   if (status.ok()) status = check_call(params, config);

@@ -169,3 +169,63 @@ def test_the_kernels_refuse_an_impossible_geometry(device, family, slices, kv_sp
     with pytest.raises(ValueError, match="unsupported (slices|kv_split|depth)"):
         _kernel.run(plan, partial_o, stats, out, 1.0)
     assert torch.equal(out.cpu(), torch.full((4, head_dim), 7.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["maxsum", "lse2"])
+def test_one_warp_items_run_four_to_a_cta(device, fmt, merge_kit, chosen_kv_split, monkeypatch):
+    """Items of one warp (lanes x K = 32) share CTAs four at a time: row counts that leave the
+    last CTA partly idle, sinks, split counts, empty splits and exported stats."""
+    head_dim = 128  # 16 vectors of bf16: slices 1, 2, 4 give 16, 8, 4 lanes
+    configs = [KernelConfig.dsplit(slices, 32 // (16 // slices), depth)
+               for slices in (1, 2, 4) for depth in (4, 8)]
+    for rows in (1, 3, 6, 7):
+        gen = merge_kit.generator("one-warp", fmt, rows)
+        num_splits = int(torch.randint(9, 40, (), generator=gen))
+        partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16,
+                                              gen, empty_fraction=0.3)
+        split_counts = torch.randint(0, num_splits + 2, (rows,), generator=gen, dtype=torch.int32)
+        sinks = torch.randn(1, generator=gen)
+        scale = merge_kit.scale_log2(gen)
+        expected = merge_kit.reference(fmt, partial_o, stats, scale=scale, sinks=sinks,
+                                       split_counts=split_counts)
+        for config in configs:
+            pin(monkeypatch, config)
+            out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device),
+                                             scale=scale, sinks=sinks.to(device),
+                                             split_counts=split_counts.to(device))
+            merge_kit.assert_matches_reference(out, out_stats, *expected)
+    assert chosen_kv_split == configs * 4
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_one_warp_items_merge_in_place(device, heads, monkeypatch):
+    """FlashInfer's in-place merge (stats exported over split 0's, a row mask) with one-warp
+    items: each warp finishes reading its row's stats before it overwrites them."""
+    from kvsplit.compat import flashinfer
+
+    gen = torch.Generator().manual_seed(heads)
+    seq, head_dim = 7, 128
+    v, v_other = (torch.randn(seq, heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    s, s_other = (4 * torch.randn(seq, heads, generator=gen) for _ in range(2))
+    mask = torch.rand(seq, generator=gen) < 0.7
+    # float64 reference of two base-2 LSE states
+    top = torch.maximum(s, s_other).double()
+    w, w_other = torch.exp2(s.double() - top), torch.exp2(s_other.double() - top)
+    expected_v = ((w.unsqueeze(-1) * v.double() + w_other.unsqueeze(-1) * v_other.double())
+                  / (w + w_other).unsqueeze(-1))
+    expected_s = (top + torch.log2(w + w_other)).float()
+    config = KernelConfig.dsplit(1, 2, 4)  # 16 lanes x 2 groups: one warp
+    pin(monkeypatch, config)
+    launched = []
+    launch_call = _kernel.Plan.launch_call
+    monkeypatch.setattr(_kernel.Plan, "launch_call",
+                        lambda plan, *args: (launched.append(plan.config), launch_call(plan, *args)))
+    v_dev, s_dev = v.to(device), s.to(device)
+    flashinfer.merge_state_in_place(v_dev, s_dev, v_other.to(device), s_other.to(device),
+                                    mask=mask.to(device))
+    keep = mask.view(seq, 1)
+    want_v = torch.where(keep.unsqueeze(-1), expected_v, v.double())
+    want_s = torch.where(keep, expected_s, s)
+    torch.testing.assert_close(v_dev.cpu().double(), want_v, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(s_dev.cpu(), want_s, atol=1e-4, rtol=1e-4)
+    assert launched == [config]

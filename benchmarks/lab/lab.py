@@ -17,7 +17,6 @@ import importlib.util
 import math
 import os
 import pathlib
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +34,8 @@ def _load(name: str, path: str):
 
 
 timing = _load("lab_timing", "autotune/timing.py")
+labkit = _load("labkit", "benchmarks/lab/labkit.py")
+Params, RowStrides = labkit.Params, labkit.RowStrides
 constraints = _load("lab_constraints", "dispatch/constraints.py")
 
 # Name -> nvcc flags (the knobs at the top of merge_kvsplit.cuh). "-I DIR" ahead of
@@ -48,42 +49,10 @@ SHAPES = [(512, 64, 16), (512, 64, 132), (128, 32, 264), (512, 2048, 132), (512,
           (128, 32, 16), (128, 256, 132), (512, 512, 132), (128, 2048, 64)]
 
 
-class RowStrides(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("batch", "token", "head")]
-
-
-class Params(ctypes.Structure):
-    """params.h's MergeParams, field for field."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats",
-                 "row_mask")] + \
-               [(name, ctypes.c_int32) for name in
-                ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
-               [(name, ctypes.c_int64) for name in ("num_splits", "rows", "heads", "seqlen",
-                                                    "o_stride_split")] + \
-               [("o_row", RowStrides), ("stats_stride_split", ctypes.c_int64),
-                ("stats_row", RowStrides), ("out_row", RowStrides),
-                ("out_stats_row", RowStrides), ("row_mask_stride", ctypes.c_int64)] + \
-               [(name, ctypes.c_float) for name in ("log2_scale", "export_scale", "empty_stat")] + \
-               [("stats_in_place", ctypes.c_bool)]
-
-
-def build(name: str, flags: str, folder: pathlib.Path) -> pathlib.Path:
-    target = folder / (name.replace(",", "_") + ".so")
-    cmd = (f"nvcc -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo "
-           f"-gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -shared "
-           f"{flags} -I{ROOT / 'csrc/include'} -o {target} {ROOT / 'benchmarks/lab/lab_kernel.cu'}")
-    if not target.exists():  # --one reuses the table run's build
-        subprocess.run(cmd, shell=True, check=True)
-    return target
-
-
 def build_all(names) -> dict:
-    folder = pathlib.Path("/tmp/kvsplit-lab")
-    folder.mkdir(exist_ok=True)
     with ThreadPoolExecutor(len(names)) as pool:
-        paths = pool.map(lambda name: build(name, VARIANTS[name], folder), names)
+        paths = pool.map(lambda name: labkit.build(name, VARIANTS[name],
+                                                   ["benchmarks/lab/lab_kernel.cu"]), names)
     return {name: ctypes.CDLL(str(path)).lab_launch for name, path in zip(names, paths)}
 
 

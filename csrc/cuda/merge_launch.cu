@@ -40,7 +40,9 @@ class DeviceGuard {
 
 }  // namespace
 
-Status merge_cuda(const MergeParams& p, const KernelConfig& config, const CudaTarget& target) {
+Status merge_cuda(const MergeParams& call, const KernelConfig& config, const CudaTarget& target) {
+  MergeParams p = call;
+  flatten_rows(p);
   Status status = check_problem(p);
   if (status.ok()) status = check_config(config, p.head_dim, elem_bytes(p.partial_dtype));
   if (status.ok()) status = check_call(p, config);

@@ -114,11 +114,21 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     pruned = candidates(key, max_split=max_split, is_cuda=is_cuda)
     assert kvsplit_config(1) in pruned and set(pruned) <= set(everything)
     if is_cuda:  # few enough to time within the first-use budget
-        assert len(pruned) <= 12
-        ks = {c.kv_split for c in pruned if c.kv_split > 1}
+        # every one-warp item, at the depth its group's partials call for, and at most 12 others
+        one_warp = {c for c in everything if c.family == "dsplit"
+                    and one_warp_item(c, head_dim, dtype)
+                    and c.depth == (8 if -(-num_splits // c.kv_split) > 4 else 4)}
+        assert len(one_warp) <= 4 and one_warp <= set(pruned)
+        assert len(pruned) <= 12 + len(one_warp)
+        ks = {c.kv_split for c in pruned if c.kv_split > 1 and c not in one_warp}
         assert len(ks) <= 3 and (not ks or max(ks) <= max(1, num_splits // 2))
     else:
         assert pruned == everything
+
+
+def one_warp_item(config, head_dim, dtype):
+    """Whether a DSplit config's item is one warp: lanes (16-byte vectors per slice) x K = 32."""
+    return head_dim * ELEM_BYTES[dtype] // 16 // config.slices * config.kv_split == 32
 
 
 @pytest.mark.parametrize("head_dim, rows, num_splits, kept", [
@@ -136,7 +146,7 @@ def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
                     out_dtype="bfloat16", stats_format="maxsum", num_splits=num_splits, rows=rows)
     pruned = candidates(key)
     assert kept in pruned
-    assert len(pruned) <= 12 and len(pruned) <= len(candidates(key, pruned=False)) / 2
+    assert len(pruned) <= 16 and len(pruned) <= len(candidates(key, pruned=False)) / 2
 
 
 # -- the winner rule --------------------------------------------------------------------------

@@ -72,7 +72,7 @@ template <int kVec, DType kOut, StatsFormat kFormat>
 __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                                                    const MergeState<kVec>& state,
                                                    const RowIndex& at, int col) {
-  const float sink_log2 = p.sinks != nullptr ? __ldg(p.sinks + at.head) * kLog2E : neg_inf();
+  const float sink_log2 = p.sinks != nullptr ? __ldg(p.sinks + row_head(p, at)) * kLog2E : neg_inf();
   float out[kVec], log2_total;
   const float total = state.finalize(sink_log2, out, log2_total);
   store_vec<kVec, kOut>(p.out, p.out_row.at(at) + col, out);

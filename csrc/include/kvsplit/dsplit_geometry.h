@@ -13,6 +13,8 @@ constexpr int kDsplitMinLanes = 4;  // 16-byte vectors per slice: a group is 4..
 constexpr int kDsplitMaxLanes = 32;  // of one warp
 constexpr int kDsplitMinThreads = 32;
 constexpr int kDsplitMaxThreads = 512;
+// Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per warp.
+constexpr int kDsplitItemsPerCta = 4;
 
 // log2 of a power of two, -1 for anything else.
 KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {
@@ -37,7 +39,8 @@ struct DsplitGeometry {
   int kv_split_log2;  // groups per CTA
   int slices_log2;    // CTAs per row
   int slice_elems;    // head_dim / slices
-  int64_t items;      // rows * slices: one CTA's work each
+  int64_t items;      // rows * slices: the work of lanes * kv_split threads each
+  int items_per_cta_log2;  // 0, or log2 kDsplitItemsPerCta for items of one warp
 
   KVSPLIT_HOST_DEVICE int lanes() const { return 1 << lanes_log2; }
   KVSPLIT_HOST_DEVICE int threads() const { return 1 << (lanes_log2 + kv_split_log2); }
@@ -46,9 +49,10 @@ struct DsplitGeometry {
 KVSPLIT_HOST_DEVICE constexpr DsplitGeometry make_dsplit_geometry(int head_dim, int elem_bytes,
                                                                   int slices, int kv_split,
                                                                   int64_t rows) {
-  return DsplitGeometry{exact_log2(dsplit_lanes(head_dim, elem_bytes, slices)),
-                        exact_log2(kv_split), exact_log2(slices), head_dim / slices,
-                        rows * slices};
+  const int lanes = dsplit_lanes(head_dim, elem_bytes, slices);
+  return DsplitGeometry{exact_log2(lanes), exact_log2(kv_split), exact_log2(slices),
+                        head_dim / slices, rows * slices,
+                        lanes * kv_split == 32 ? exact_log2(kDsplitItemsPerCta) : 0};
 }
 
 }  // namespace kvsplit

@@ -2,16 +2,19 @@
 //
 // The KvSplit kernel gives a whole row to every group, so at decode shapes
 // (tens of rows) it keeps few SMs busy and each group walks many partials in
-// dependent rounds. Here one CTA owns one slice of one row: D / slices
+// dependent rounds. Here one item, a slice of one row, is D / slices
 // elements, read by a group of `lanes` threads (16 bytes each, 4..32 lanes,
-// so a group never spans warps). The CTA holds `kv_split` such groups, each
+// so a group never spans warps). An item holds `kv_split` such groups, each
 // merging partials g, g + K, g + 2K, ... with loops of the exact trip count:
 // a group of `count` partials loads them in rounds of up to kDepth (4 or 8),
 // the remainder first, so it waits on ceil(count / kDepth) round trips and
 // never loads a padded slot. Groups are combined with warp shuffles first;
 // across warps, every warp parks its total in shared memory and warp 0 folds
-// them with all 32 lanes, then shuffles again. Every CTA reads its row's
-// stats itself.
+// them with all 32 lanes, then shuffles again. Every item reads its row's
+// stats itself. An item of one warp needs no shared memory and no barrier,
+// so a CTA runs kDsplitItemsPerCta of them side by side, one per warp
+// (measured on an H200: 4 per CTA was 0.2-0.3 us faster than 1 at decode
+// shapes, benchmarks/lab/lab_dsplit.py).
 //
 // Geometry is a runtime argument (all powers of two), so one kernel per
 // (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's
@@ -83,23 +86,28 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;
-  // Each warp parks its total (m, l, acc) here for warp 0:
+  // Each warp of a multi-warp item parks its total (m, l, acc) here for warp 0:
   // [2 + kVec][warps][lanes] floats, sized at launch.
   extern __shared__ float parked[];
 
   const int lanes = geo.lanes();
   const int kv_split = 1 << geo.kv_split_log2;
-  const int group = threadIdx.x >> geo.lanes_log2;
-  const int lane = threadIdx.x & (lanes - 1);
-  const int warp = threadIdx.x >> 5;
-  const int warps = blockDim.x >> 5;
+  const int item_threads = geo.threads();
+  const int thread = threadIdx.x & (item_threads - 1);  // within the item
+  const int group = thread >> geo.lanes_log2;
+  const int lane = thread & (lanes - 1);
+  const int warp = thread >> 5;
+  const int warps = item_threads >> 5;  // per item; 1 when a CTA runs several items
   const int parked_stride = warps * lanes;
+  const int per_cta = 1 << geo.items_per_cta_log2;
 
   pdl_wait();
-  for (int64_t item = blockIdx.x; item < geo.items; item += gridDim.x) {
+  for (int64_t item = int64_t{blockIdx.x} * per_cta + (threadIdx.x >> (geo.lanes_log2 +
+                                                                        geo.kv_split_log2));
+       item < geo.items; item += int64_t{gridDim.x} * per_cta) {
     const int64_t row = item >> geo.slices_log2;
-    const RowIndex at = split_row(p, row);
-    // The whole CTA holds this one row: skipping it keeps every barrier uniform.
+    const RowIndex at = locate_row(p, row);
+    // The whole item skips this row: every barrier of a multi-warp item stays uniform.
     if (!row_selected(p, at)) continue;
     const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
                     lane * kVec;
@@ -149,10 +157,13 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
       }
     }
 
-    // A single warp of 32 lanes has no shuffle or barrier to order the
-    // reads of an in-place row's stats before the export.
-    if (p.stats_in_place) __syncthreads();
-    if (threadIdx.x < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
+    // An item of one warp has no barrier to order the reads of an in-place
+    // row's stats before the export: its warp syncs.
+    if (p.stats_in_place) {
+      if (warps > 1) __syncthreads();
+      else __syncwarp();
+    }
+    if (thread < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }
 }
@@ -166,9 +177,11 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
                                                   config.slices, config.kv_split, p.rows);
   const int lanes = geo.lanes();
   const int warps = geo.threads() / 32;
+  const int per_cta = 1 << geo.items_per_cta_log2;
+  const int64_t ctas = (geo.items + per_cta - 1) / per_cta;
   constexpr int64_t kGridCap = int64_t{1} << 30;
-  PdlLaunch launch(static_cast<unsigned>(geo.items < kGridCap ? geo.items : kGridCap),
-                   static_cast<unsigned>(geo.threads()),
+  PdlLaunch launch(static_cast<unsigned>(ctas < kGridCap ? ctas : kGridCap),
+                   static_cast<unsigned>(geo.threads() * per_cta),
                    warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
   Status status;
   cudaError_t error = cudaSuccess;

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
   pdl_wait();
   for (int64_t band = blockIdx.x; band < num_bands; band += gridDim.x) {
     const int64_t row = band * kRowsPerBand + row_in_band;
-    const RowIndex at = split_row(p, row);
+    const RowIndex at = locate_row(p, row);
     const bool active = row < p.rows && row_selected(p, at);
     MergeState<kVec> state;
     state.reset();

@@ -74,6 +74,11 @@ struct MergeParams {
   // stats must be done before its export, so the kernels add a barrier and
   // a row must not span CTAs (DSplit slices 1).
   bool stats_in_place = false;
+  // Set by the launchers (flatten_rows), never by callers: in every tensor row r
+  // starts at r * stride, each RowStrides holds {0, 0, stride}, and rows are
+  // addressed by their index alone (locate_row), with no (batch, token, head)
+  // division on the way to the first load.
+  bool flat_rows = false;
 };
 
 // Splits a row index into (batch, token, head); 32-bit division when it fits
@@ -97,9 +102,55 @@ KVSPLIT_HOST_DEVICE inline RowIndex split_row(const MergeParams& p, int64_t row)
   return i;
 }
 
+// The stride that puts row r at r * stride of a tensor whose rows have strides
+// `s` over (batch, token, head), or -1 where no single stride does.
+KVSPLIT_HOST_DEVICE constexpr int64_t flat_stride(const RowStrides& s, int64_t batches,
+                                                  int64_t seqlen, int64_t heads) {
+  const int64_t stride = heads > 1 ? s.head : seqlen > 1 ? s.token : s.batch;
+  const bool even = (seqlen == 1 || s.token == heads * stride) &&
+                    (batches <= 1 || s.batch == seqlen * heads * stride);
+  return even ? stride : -1;
+}
+
+// Sets flat_rows, and rewrites the row strides to match, when one stride per
+// tensor addresses every row (split-major buffers, and most engine layouts).
+KVSPLIT_HOST_DEVICE inline void flatten_rows(MergeParams& p) {
+  if (p.flat_rows || p.heads < 1 || p.seqlen < 1) return;
+  const int64_t batches = p.rows / (p.seqlen * p.heads);
+  const int64_t o = flat_stride(p.o_row, batches, p.seqlen, p.heads);
+  const int64_t stats = flat_stride(p.stats_row, batches, p.seqlen, p.heads);
+  const int64_t out = flat_stride(p.out_row, batches, p.seqlen, p.heads);
+  const int64_t out_stats =
+      p.out_stats == nullptr ? 0 : flat_stride(p.out_stats_row, batches, p.seqlen, p.heads);
+  if (o < 0 || stats < 0 || out < 0 || out_stats < 0) return;
+  p.o_row = RowStrides{0, 0, o};
+  p.stats_row = RowStrides{0, 0, stats};
+  p.out_row = RowStrides{0, 0, out};
+  p.out_stats_row = RowStrides{0, 0, out_stats};
+  p.flat_rows = true;
+}
+
+// Where row `row` lives: its (batch, token, head), or {0, 0, row} for flat rows.
+KVSPLIT_HOST_DEVICE inline RowIndex locate_row(const MergeParams& p, int64_t row) {
+  if (!p.flat_rows) return split_row(p, row);
+  RowIndex i;
+  i.head = row;
+  return i;
+}
+
+// The row's head (its sink's index) and its (batch, token) position (its mask's).
+KVSPLIT_HOST_DEVICE inline int64_t row_head(const MergeParams& p, const RowIndex& i) {
+  return p.flat_rows ? split_row(p, i.head).head : i.head;
+}
+KVSPLIT_HOST_DEVICE inline int64_t row_token_major(const MergeParams& p, const RowIndex& i) {
+  if (!p.flat_rows) return i.batch * p.seqlen + i.token;
+  const RowIndex split = split_row(p, i.head);
+  return split.batch * p.seqlen + split.token;
+}
+
 // Whether the row is merged at all (see row_mask).
 KVSPLIT_HOST_DEVICE inline bool row_selected(const MergeParams& p, const RowIndex& i) {
-  return p.row_mask == nullptr || p.row_mask[(i.batch * p.seqlen + i.token) * p.row_mask_stride] != 0;
+  return p.row_mask == nullptr || p.row_mask[row_token_major(p, i) * p.row_mask_stride] != 0;
 }
 
 // The problem's own rules (the config's are check_config's).

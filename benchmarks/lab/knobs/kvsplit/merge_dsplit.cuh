@@ -1,0 +1,232 @@
+// Lab copy of csrc/include/kvsplit/merge_dsplit.cuh as it was before flat rows and
+// packed one-warp items (2026-12-03), with leave-one-out knobs
+// (benchmarks/lab/lab_dsplit.py puts this folder ahead of csrc/include):
+//   LAB_NO_LOADS    partials and stats come from registers, not memory
+//   LAB_NO_COMBINE  no shuffles, no park/fold: lane group 0 stores its own state
+//   LAB_SIMPLE_ROW  row = item / slices with unit row strides; no mask, no split counts
+//   LAB_NO_PDL      no griddepcontrol instructions
+//   LAB_PACK=W      one-warp configs only: W independent items per CTA of W warps
+// The DSplit merge kernel: a row's head dim split across `slices` CTAs.
+//
+// The KvSplit kernel gives a whole row to every group, so at decode shapes
+// (tens of rows) it keeps few SMs busy and each group walks many partials in
+// dependent rounds. Here one CTA owns one slice of one row: D / slices
+// elements, read by a group of `lanes` threads (16 bytes each, 4..32 lanes,
+// so a group never spans warps). The CTA holds `kv_split` such groups, each
+// merging partials g, g + K, g + 2K, ... with loops of the exact trip count:
+// a group of `count` partials loads them in rounds of up to kDepth (4 or 8),
+// the remainder first, so it waits on ceil(count / kDepth) round trips and
+// never loads a padded slot. Groups are combined with warp shuffles first;
+// across warps, every warp parks its total in shared memory and warp 0 folds
+// them with all 32 lanes, then shuffles again. Every CTA reads its row's
+// stats itself.
+//
+// Geometry is a runtime argument (all powers of two), so one kernel per
+// (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's
+// search costs few instantiations.
+#pragma once
+
+#include <cstdint>
+
+#include "kvsplit/device_common.cuh"
+#include "kvsplit/dispatch.h"
+#include "kvsplit/dsplit_geometry.h"
+#include "kvsplit/merge_math.h"
+#include "kvsplit/params.h"
+
+namespace kvsplit {
+
+// Loads kDepth partials (all loads issued before the first use) and folds them in.
+template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
+__device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
+                                                  const typename CudaType<kPartial>::type* o,
+                                                  const float* s, int64_t o_step, int64_t s_step,
+                                                  float log2_scale, float empty_stat) {
+  uint4 packed[kDepth];
+  float m_in[kDepth], l_in[kDepth];
+#pragma unroll
+  for (int u = 0; u < kDepth; ++u) {
+#if defined(LAB_NO_LOADS)
+    const uint32_t fake = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(o + u * o_step));
+    packed[u] = make_uint4(fake, fake ^ 1u, fake ^ 2u, fake ^ 3u);
+    const float m_raw = static_cast<float>(reinterpret_cast<uintptr_t>(s + u * s_step) & 255u);
+#else
+    packed[u] = __ldg(reinterpret_cast<const uint4*>(o + u * o_step));
+    const float m_raw = __ldg(s + u * s_step);
+#endif
+    m_in[u] = m_raw != empty_stat ? m_raw * log2_scale : neg_inf();
+#if defined(LAB_NO_LOADS)
+    l_in[u] = 1.f;
+#else
+    l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
+#endif
+  }
+  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
+}
+
+template <int kVec>
+__device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int offset) {
+  float acc_other[kVec];
+  const float m_other = __shfl_xor_sync(0xffffffffu, state.m, offset);
+  const float l_other = __shfl_xor_sync(0xffffffffu, state.l, offset);
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) acc_other[v] = __shfl_xor_sync(0xffffffffu, state.acc[v], offset);
+  state.combine(m_other, l_other, acc_other, 1);
+}
+
+// The first round of a group: its `first` (1..kDepth) partials, one template
+// case each so that every load is issued before the first use.
+template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
+__device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
+                                                  const typename CudaType<kPartial>::type* o,
+                                                  const float* s, int64_t o_step, int64_t s_step,
+                                                  float log2_scale, float empty_stat) {
+  KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
+    merge_exact_batch<kCount, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale,
+                                                 empty_stat);
+  })
+}
+
+template <int kVec>
+__device__ __forceinline__ void park(float* parked, int stride, int slot,
+                                     const MergeState<kVec>& state) {
+  parked[slot] = state.m;
+  parked[stride + slot] = state.l;
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
+}
+
+template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth>
+__global__ void __launch_bounds__(kDsplitMaxThreads)
+    dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  using Partial = typename CudaType<kPartial>::type;
+  // Each warp parks its total (m, l, acc) here for warp 0:
+  // [2 + kVec][warps][lanes] floats, sized at launch.
+  extern __shared__ float parked[];
+
+  const int lanes = geo.lanes();
+  const int kv_split = 1 << geo.kv_split_log2;
+#if defined(LAB_PACK)
+  const int group = (threadIdx.x & 31) >> geo.lanes_log2;
+  const int warps = 1;
+#else
+  const int group = threadIdx.x >> geo.lanes_log2;
+  const int warps = blockDim.x >> 5;
+#endif
+  const int lane = threadIdx.x & (lanes - 1);
+  const int warp = threadIdx.x >> 5;
+  const int parked_stride = warps * lanes;
+
+#if !defined(LAB_NO_PDL)
+  pdl_wait();
+#endif
+#if defined(LAB_PACK)
+  for (int64_t item = int64_t{blockIdx.x} * LAB_PACK + warp; item < geo.items; item += 1ll << 40) {
+#else
+  for (int64_t item = blockIdx.x; item < geo.items; item += gridDim.x) {
+#endif
+    const int64_t row = item >> geo.slices_log2;
+#if defined(LAB_SIMPLE_ROW)
+    RowIndex at;
+    at.head = row;
+#else
+    const RowIndex at = split_row(p, row);
+    // The whole CTA holds this one row: skipping it keeps every barrier uniform.
+    if (!row_selected(p, at)) continue;
+#endif
+    const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
+                    lane * kVec;
+    int num_splits = static_cast<int>(p.num_splits);
+#if !defined(LAB_SIMPLE_ROW)
+    if (p.split_counts != nullptr) {
+      num_splits = min(max(__ldg(p.split_counts + row), 0), num_splits);
+    }
+#endif
+    MergeState<kVec> state;
+    state.reset();
+    if (group < num_splits) {
+      const int count = ((num_splits - group - 1) >> geo.kv_split_log2) + 1;
+      const int first = count - (count - 1) / kDepth * kDepth;  // 1..kDepth
+      const Partial* o = static_cast<const Partial*>(p.partial_o) + group * p.o_stride_split +
+                         p.o_row.at(at) + col;
+      const float* s = p.stats + group * p.stats_stride_split + p.stats_row.at(at);
+      const int64_t o_step = kv_split * p.o_stride_split;
+      const int64_t s_step = kv_split * p.stats_stride_split;
+      merge_first_round<kDepth, kPartial, kFormat>(state, first, o, s, o_step, s_step,
+                                                   p.log2_scale, p.empty_stat);
+      o += first * o_step;
+      s += first * s_step;
+      for (int done = first; done < count; done += kDepth) {
+        merge_exact_batch<kDepth, kPartial, kFormat>(state, o, s, o_step, s_step, p.log2_scale,
+                                                     p.empty_stat);
+        o += kDepth * o_step;
+        s += kDepth * s_step;
+      }
+    }
+    // Every load of this item is done: the next kernel may start its prologue.
+#if !defined(LAB_NO_PDL)
+    pdl_trigger();
+#endif
+#if !defined(LAB_NO_COMBINE)
+
+    // Groups of one warp: butterfly over the lane bits above the group's own.
+    for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
+    if (warps > 1) {
+      // Warp w's total goes to slots [w * lanes, (w + 1) * lanes). Lane j of
+      // warp 0 then folds the totals of warps j / lanes, j / lanes + 32 / lanes,
+      // ... for column j % lanes, and a second butterfly joins the lanes.
+      if ((threadIdx.x & 31) < lanes) park(parked, parked_stride, warp * lanes + lane, state);
+      __syncthreads();
+      if (warp == 0) {
+        state.reset();
+        for (int slot = threadIdx.x; slot < parked_stride; slot += 32) {
+          state.combine(parked[slot], parked[parked_stride + slot],
+                        &parked[2 * parked_stride + slot], parked_stride);
+        }
+        for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
+      }
+    }
+#endif
+
+    // A single warp of 32 lanes has no shuffle or barrier to order the
+    // reads of an in-place row's stats before the export.
+    if (p.stats_in_place) __syncthreads();
+#if defined(LAB_PACK)
+    if ((threadIdx.x & 31) < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
+#else
+    if (threadIdx.x < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
+    if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
+#endif
+  }
+}
+
+// Launches a checked DSplit config (check_config) on rows > 0.
+template <DType kPartial, DType kOut, StatsFormat kFormat>
+Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
+                           cudaStream_t stream) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  const DsplitGeometry geo = make_dsplit_geometry(p.head_dim, elem_bytes<kPartial>(),
+                                                  config.slices, config.kv_split, p.rows);
+  const int lanes = geo.lanes();
+  const int warps = geo.threads() / 32;
+  constexpr int64_t kGridCap = int64_t{1} << 30;
+#if defined(LAB_PACK)
+  if (geo.threads() != 32) return fail(Error::kCtaThreads, geo.threads());
+  PdlLaunch launch(static_cast<unsigned>((geo.items + LAB_PACK - 1) / LAB_PACK), 32 * LAB_PACK, 0,
+                   stream, pdl);
+#else
+  PdlLaunch launch(static_cast<unsigned>(geo.items < kGridCap ? geo.items : kGridCap),
+                   static_cast<unsigned>(geo.threads()),
+                   warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
+#endif
+  Status status;
+  cudaError_t error = cudaSuccess;
+  KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
+    error = cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, kDepth>, p,
+                               geo);
+  })
+  return error != cudaSuccess ? fail(Error::kCuda, error) : status;
+}
+
+}  // namespace kvsplit

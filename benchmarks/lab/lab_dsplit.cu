@@ -1,0 +1,40 @@
+// The DSplit kernel (bf16 partials, base-2 LSE, bf16 out) as built by one lab
+// variant: -I benchmarks/lab/knobs ahead of csrc/include swaps in the copy
+// with leave-one-out knobs; without it this is the product header. Also an
+// empty kernel of any grid and block, for the launch cost of a geometry.
+// benchmarks/lab/lab_dsplit.py loads it with ctypes, beside csrc/cuda/probe.cu.
+#include "kvsplit/launch.h"
+#include "kvsplit/merge_dsplit.cuh"
+
+namespace {
+__global__ void lab_empty_kernel() {}
+}  // namespace
+
+// `flatten`: as merge_cuda does (product header); 0 for the lab copy, whose
+// kernel splits every row into (batch, token, head).
+extern "C" int lab_dsplit(const kvsplit::MergeParams* params, int slices, int kv_split,
+                          int depth, int flatten, void* stream) {
+  kvsplit::MergeParams p = *params;
+  if (flatten) kvsplit::flatten_rows(p);
+  kvsplit::KernelConfig config;
+  config.family = kvsplit::Family::kDSplit;
+  config.slices = slices;
+  config.kv_split = kv_split;
+  config.depth = depth;
+  const kvsplit::Status status =
+      kvsplit::launch_dsplit_typed<kvsplit::DType::kBFloat16, kvsplit::DType::kBFloat16,
+                                   kvsplit::StatsFormat::kLse>(p, config, false,
+                                                               static_cast<cudaStream_t>(stream));
+  return status.ok() ? 0 : static_cast<int>(status.error);
+}
+
+extern "C" int lab_empty(int grid, int threads, void* stream) {
+  lab_empty_kernel<<<grid, threads, 0, static_cast<cudaStream_t>(stream)>>>();
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int lab_read(const void* o, int64_t o_bytes, const void* stats, int64_t stats_bytes,
+                        void* out, int64_t out_bytes, void* stream) {
+  return static_cast<int>(
+      kvsplit::launch_read_probe(o, o_bytes, stats, stats_bytes, out, out_bytes, stream).error);
+}

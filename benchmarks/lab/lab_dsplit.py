@@ -1,0 +1,200 @@
+"""DSplit lab: where a small merge's time goes, by leaving one stage out at a time.
+
+    python -P benchmarks/lab/lab_dsplit.py [--out DIR]                 # the tables
+    python -P benchmarks/lab/lab_dsplit.py --one VARIANT D ROWS N P K DEPTH  # for ncu
+    python -P benchmarks/lab/lab_dsplit.py --triton D ROWS N WARPS         # for ncu
+
+Each variant builds lab_dsplit.cu with knobs of the lab copy of
+merge_dsplit.cuh (benchmarks/lab/knobs: the kernel before flat rows and
+one-warp items four to a CTA, whose leave-one-out runs led to both);
+"product" builds the product header, "before" the copy with no knob. Per shape (bf16 partials, base-2 LSE): every DSplit config of every
+variant, the read probe and the serial Triton peer (benchmarks/peers.py),
+replayed in turns in CUDA graphs (L2-warm). A second pass times every
+variant at the product's best config beside an empty kernel of the same
+grid and block: the differences say what each stage costs. Needs torch and
+triton only: the package does not have to be installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import json
+import pathlib
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+timing = _load("lab_timing", "autotune/timing.py")
+labkit = _load("labkit", "benchmarks/lab/labkit.py")
+peers = _load("lab_peers", "benchmarks/peers.py")
+
+KNOBS = "-I" + str(ROOT / "benchmarks/lab/knobs")
+VARIANTS = {
+    "product": "",
+    "before": KNOBS,  # the lab copy with no knob: the kernel before flat rows and packing
+    "simple_row": f"{KNOBS} -DLAB_SIMPLE_ROW",
+    "no_pdl": f"{KNOBS} -DLAB_NO_PDL",
+    "no_combine": f"{KNOBS} -DLAB_NO_COMBINE",
+    "no_loads": f"{KNOBS} -DLAB_NO_LOADS",
+    "floor": f"{KNOBS} -DLAB_NO_LOADS -DLAB_NO_COMBINE -DLAB_SIMPLE_ROW -DLAB_NO_PDL",
+    "pack4": f"{KNOBS} -DLAB_PACK=4",
+    "pack4_lean": f"{KNOBS} -DLAB_PACK=4 -DLAB_SIMPLE_ROW -DLAB_NO_PDL",
+}
+EXACT = ("product", "before", "simple_row", "no_pdl", "pack4", "pack4_lean")  # must match the reference
+SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
+SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
+          (512, 64, 64), (128, 32, 264), (512, 64, 132)]
+
+
+def configs(head_dim: int, num_splits: int, elem_bytes: int = 2):
+    """DSplit (slices, kv_split, depth, lanes) legal by config.h, kv_split <= N,
+    depth 8 only where a group has more than 4 partials."""
+    found = []
+    for slices in (1, 2, 4, 8, 16):
+        lanes = head_dim * elem_bytes // (16 * slices)
+        if lanes < 4 or lanes > 32:
+            continue
+        for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
+            if not 32 <= lanes * kv_split <= 512 or kv_split > max(num_splits, 32 // lanes):
+                continue
+            per_group = -(-num_splits // kv_split)
+            for depth in (4, 8) if per_group > 4 else (4,):
+                found.append((slices, kv_split, depth, lanes))
+    return found
+
+
+def problem(head_dim, rows, num_splits, generator):
+    lse = (torch.randn(num_splits, rows, generator=generator) * 2).cuda()
+    o = torch.randn(num_splits, rows, head_dim, generator=generator).cuda().bfloat16()
+    out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
+    weights = torch.softmax(lse.double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), 0)
+    reference = (weights.unsqueeze(-1) * o.double()).sum(0)
+    p = labkit.row_params(o, lse, out, stats_format=1, log2_scale=1.0, export_scale=1.0,
+                          empty_stat=float("nan"))
+    return (o, lse, out), p, reference
+
+
+LIBS: dict = {}  # variant -> its library
+
+
+def load_all(names):
+    with ThreadPoolExecutor(len(names)) as pool:
+        paths = list(pool.map(lambda n: labkit.build("dsplit_" + n, VARIANTS[n], SOURCES), names))
+    LIBS.update({name: ctypes.CDLL(str(path)) for name, path in zip(names, paths)})
+    return {name: LIBS[name] for name in names}
+
+
+def stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def dsplit_run(lib, p, slices, kv_split, depth):
+    flatten = int(lib is LIBS.get("product"))
+    def run(i):
+        status = lib.lab_dsplit(ctypes.byref(p), slices, kv_split, depth, flatten, stream())
+        assert status == 0, status
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
+    parser.add_argument("--one", nargs=7)
+    parser.add_argument("--triton", nargs=4, type=int)
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(0)
+    if args.one or args.triton:
+        numbers = list(map(int, args.one[1:] if args.one else args.triton))
+        buffers, p, _ = problem(*numbers[:3], g)
+        if args.one:
+            run = dsplit_run(load_all([args.one[0]])[args.one[0]], p, *numbers[3:])
+        else:
+            o, lse, out = buffers
+            run = lambda i: peers.triton_merge(o, lse, out, num_warps=numbers[3])  # noqa: E731
+        for i in range(3):
+            run(i)
+        torch.cuda.synchronize()
+        return 0
+
+    libs = load_all(list(VARIANTS))
+    timing.spin_up_gpu()
+    record = {}
+    best_lines = ["| D / rows / N | read | serial Triton | " + " | ".join(VARIANTS) + " |",
+                  "|---" * (3 + len(VARIANTS)) + "|"]
+    split_lines = ["| D / rows / N | config (grid x block) | read | empty | "
+                   + " | ".join(VARIANTS) + " |", "|---" * (4 + len(VARIANTS)) + "|"]
+    for head_dim, rows, num_splits in SHAPES:
+        (o, lse, out), p, reference = problem(head_dim, rows, num_splits, g)
+        shape = f"{head_dim} / {rows} / {num_splits}"
+        runs = {("read",): lambda i: libs["product"].lab_read(
+            ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
+            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
+            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())}
+        for warps in (1, 2, 4, 8):
+            runs[("triton", warps)] = (lambda w: lambda i: peers.triton_merge(
+                o, lse, out, num_warps=w))(warps)
+        for name, lib in libs.items():
+            for slices, kv_split, depth, lanes in configs(head_dim, num_splits):
+                if name.startswith("pack") and lanes * kv_split != 32:
+                    continue
+                run = dsplit_run(lib, p, slices, kv_split, depth)
+                run(0)
+                torch.cuda.synchronize()
+                if name in EXACT:
+                    err = (out.double() - reference).abs().max().item()
+                    assert err < 0.02, (name, slices, kv_split, depth, err)
+                runs[(name, slices, kv_split, depth)] = run
+        times = {key: t.median_us for key, t in
+                 timing.time_cuda_graphs(runs, batch=64, replays=11).items()}
+        record[shape] = {" ".join(map(str, key)): value for key, value in times.items()}
+
+        def best(prefix):
+            keys = [key for key in times if key[0] == prefix]
+            return min(keys, key=times.get) if keys else None
+
+        def cell(key):
+            return "-" if key is None else f"{times[key]:.2f} ({'x'.join(map(str, key[1:]))})"
+        best_lines.append(f"| {shape} | {times[('read',)]:.2f} | {cell(best('triton'))} | "
+                          + " | ".join(cell(best(name)) for name in VARIANTS) + " |")
+        print(best_lines[-1], flush=True)
+
+        # Pass 2: every variant at the product's best config, with an empty kernel of its geometry.
+        _, slices, kv_split, depth = best("product")
+        lanes = head_dim * 2 // (16 * slices)
+        grid, block = rows * slices, lanes * kv_split
+        again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()
+                 if not name.startswith("pack") or block == 32}
+        again["read"] = runs[("read",)]
+        again["empty"] = lambda i: libs["product"].lab_empty(grid, block, stream())
+        fixed = {key: t.median_us for key, t in
+                 timing.time_cuda_graphs(again, batch=64, replays=11).items()}
+        record[shape]["fixed"] = {"config": [slices, kv_split, depth], **fixed}
+        split_lines.append(
+            f"| {shape} | P{slices}xK{kv_split}d{depth} ({grid} x {block}) | {fixed['read']:.2f} | "
+            f"{fixed['empty']:.2f} | "
+            + " | ".join(f"{fixed[n]:.2f}" if n in fixed else "-" for n in VARIANTS) + " |")
+        print(split_lines[-1], flush=True)
+    text = ("Best per variant, us per launch (config PxKxdepth; Triton: warps), graph replay, "
+            "L2-warm\n" + "\n".join(best_lines) + "\n\nAt the product's best config\n"
+            + "\n".join(split_lines))
+    print(text)
+    (args.out / "lab_dsplit.md").write_text(text + "\n")
+    (args.out / "lab_dsplit.json").write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""What the lab drivers share: params.h's MergeParams as a ctypes structure, and
+building one variant (nvcc flags) into a shared library loaded with ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FOLDER = pathlib.Path("/tmp/kvsplit-lab")
+
+
+class RowStrides(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("batch", "token", "head")]
+
+
+class Params(ctypes.Structure):
+    """params.h's MergeParams, field for field."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats",
+                 "row_mask")] + \
+               [(name, ctypes.c_int32) for name in
+                ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
+               [(name, ctypes.c_int64) for name in ("num_splits", "rows", "heads", "seqlen",
+                                                    "o_stride_split")] + \
+               [("o_row", RowStrides), ("stats_stride_split", ctypes.c_int64),
+                ("stats_row", RowStrides), ("out_row", RowStrides),
+                ("out_stats_row", RowStrides), ("row_mask_stride", ctypes.c_int64)] + \
+               [(name, ctypes.c_float) for name in ("log2_scale", "export_scale", "empty_stat")] + \
+               [("stats_in_place", ctypes.c_bool), ("flat_rows", ctypes.c_bool)]
+
+
+def row_params(o, stats, out, **fields) -> Params:
+    """Params of a split-major call: o (N, rows, D), stats (N, rows[, 2]), out (rows, D)."""
+    return Params(partial_o=o.data_ptr(), stats=stats.data_ptr(), out=out.data_ptr(),
+                  head_dim=o.shape[-1], num_splits=o.shape[0], rows=o.shape[1], heads=1,
+                  seqlen=1, o_stride_split=o.stride(0), o_row=RowStrides(o.stride(1), 0, o.stride(1)),
+                  stats_stride_split=stats.stride(0),
+                  stats_row=RowStrides(stats.stride(1), 0, stats.stride(1)),
+                  out_row=RowStrides(out.stride(0), 0, out.stride(0)), row_mask_stride=1,
+                  **fields)
+
+
+def build(name: str, flags: str, sources: list[str]) -> pathlib.Path:
+    """``sources`` (paths under the repository) with ``flags`` into FOLDER/name.so."""
+    FOLDER.mkdir(exist_ok=True)
+    target = FOLDER / (name.replace(",", "_") + ".so")
+    files = " ".join(str(ROOT / source) for source in sources)
+    cmd = (f"nvcc -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo "
+           f"-gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -shared -DKVSPLIT_WITH_CUDA "
+           f"{flags} -I{ROOT / 'csrc/include'} -o {target} {files}")
+    if not target.exists():  # --one reuses the table run's build
+        subprocess.run(cmd, shell=True, check=True)
+    return target

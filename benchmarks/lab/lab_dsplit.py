@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +53,12 @@ VARIANTS = {
     "floor": f"{KNOBS} -DLAB_NO_LOADS -DLAB_NO_COMBINE -DLAB_SIMPLE_ROW -DLAB_NO_PDL",
     "pack4": f"{KNOBS} -DLAB_PACK=4",
     "pack4_lean": f"{KNOBS} -DLAB_PACK=4 -DLAB_SIMPLE_ROW -DLAB_NO_PDL",
+    "product_pack2": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=2",
+    "product_pack8": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=8",
+    "product_pack16": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=16",
 }
-EXACT = ("product", "before", "simple_row", "no_pdl", "pack4", "pack4_lean")  # must match the reference
+EXACT = ("product", "before", "simple_row", "no_pdl", "pack4", "pack4_lean", "product_pack2",
+         "product_pack8", "product_pack16")  # must match the reference
 SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
 SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
           (512, 64, 64), (128, 32, 264), (512, 64, 132)]
@@ -102,7 +107,7 @@ def stream():
 
 
 def dsplit_run(lib, p, slices, kv_split, depth):
-    flatten = int(lib is LIBS.get("product"))
+    flatten = int(any(lib is LIBS.get(name) for name in LIBS if name.startswith("product")))
     def run(i):
         status = lib.lab_dsplit(ctypes.byref(p), slices, kv_split, depth, flatten, stream())
         assert status == 0, status
@@ -129,13 +134,14 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
 
-    libs = load_all(list(VARIANTS))
+    libs = load_all([n for n in VARIANTS
+                     if n in os.environ.get("LAB_VARIANTS", ",".join(VARIANTS)).split(",")])
     timing.spin_up_gpu()
     record = {}
-    best_lines = ["| D / rows / N | read | serial Triton | " + " | ".join(VARIANTS) + " |",
-                  "|---" * (3 + len(VARIANTS)) + "|"]
+    best_lines = ["| D / rows / N | read | serial Triton | " + " | ".join(libs) + " |",
+                  "|---" * (3 + len(libs)) + "|"]
     split_lines = ["| D / rows / N | config (grid x block) | read | empty | "
-                   + " | ".join(VARIANTS) + " |", "|---" * (4 + len(VARIANTS)) + "|"]
+                   + " | ".join(libs) + " |", "|---" * (4 + len(libs)) + "|"]
     for head_dim, rows, num_splits in SHAPES:
         (o, lse, out), p, reference = problem(head_dim, rows, num_splits, g)
         shape = f"{head_dim} / {rows} / {num_splits}"
@@ -168,7 +174,7 @@ def main() -> int:
         def cell(key):
             return "-" if key is None else f"{times[key]:.2f} ({'x'.join(map(str, key[1:]))})"
         best_lines.append(f"| {shape} | {times[('read',)]:.2f} | {cell(best('triton'))} | "
-                          + " | ".join(cell(best(name)) for name in VARIANTS) + " |")
+                          + " | ".join(cell(best(name)) for name in libs) + " |")
         print(best_lines[-1], flush=True)
 
         # Pass 2: every variant at the product's best config, with an empty kernel of its geometry.
@@ -185,7 +191,7 @@ def main() -> int:
         split_lines.append(
             f"| {shape} | P{slices}xK{kv_split}d{depth} ({grid} x {block}) | {fixed['read']:.2f} | "
             f"{fixed['empty']:.2f} | "
-            + " | ".join(f"{fixed[n]:.2f}" if n in fixed else "-" for n in VARIANTS) + " |")
+            + " | ".join(f"{fixed[n]:.2f}" if n in fixed else "-" for n in libs) + " |")
         print(split_lines[-1], flush=True)
     text = ("Best per variant, us per launch (config PxKxdepth; Triton: warps), graph replay, "
             "L2-warm\n" + "\n".join(best_lines) + "\n\nAt the product's best config\n"

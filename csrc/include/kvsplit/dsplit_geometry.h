@@ -13,8 +13,12 @@ constexpr int kDsplitMinLanes = 4;  // 16-byte vectors per slice: a group is 4..
 constexpr int kDsplitMaxLanes = 32;  // of one warp
 constexpr int kDsplitMinThreads = 32;
 constexpr int kDsplitMaxThreads = 512;
-// Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per warp.
-constexpr int kDsplitItemsPerCta = 4;
+// Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per
+// warp (a knob for benchmarks/lab; the default is the product).
+#ifndef KVSPLIT_DSPLIT_ITEMS_PER_CTA
+#define KVSPLIT_DSPLIT_ITEMS_PER_CTA 4
+#endif
+constexpr int kDsplitItemsPerCta = KVSPLIT_DSPLIT_ITEMS_PER_CTA;
 
 // log2 of a power of two, -1 for anything else.
 KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {

@@ -81,7 +81,9 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
-template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth>
+// kPlain: flat rows, no row mask and no split counts (the launcher checks), so
+// nothing stands between the row index and the first load.
+template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth, bool kPlain>
 __global__ void __launch_bounds__(kDsplitMaxThreads)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
@@ -106,13 +108,18 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
                                                                         geo.kv_split_log2));
        item < geo.items; item += int64_t{gridDim.x} * per_cta) {
     const int64_t row = item >> geo.slices_log2;
-    const RowIndex at = locate_row(p, row);
-    // The whole item skips this row: every barrier of a multi-warp item stays uniform.
-    if (!row_selected(p, at)) continue;
+    RowIndex at;
+    if constexpr (kPlain) {
+      at.head = row;
+    } else {
+      at = locate_row(p, row);
+      // The whole item skips this row: every barrier of a multi-warp item stays uniform.
+      if (!row_selected(p, at)) continue;
+    }
     const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
                     lane * kVec;
     int num_splits = static_cast<int>(p.num_splits);
-    if (p.split_counts != nullptr) {
+    if (!kPlain && p.split_counts != nullptr) {
       num_splits = min(max(__ldg(p.split_counts + row), 0), num_splits);
     }
     MergeState<kVec> state;
@@ -185,9 +192,13 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
                    warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
   Status status;
   cudaError_t error = cudaSuccess;
+  const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr;
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
-    error = cudaLaunchKernelEx(&launch.config, dsplit_kernel<kPartial, kOut, kFormat, kDepth>, p,
-                               geo);
+    error = plain ? cudaLaunchKernelEx(&launch.config,
+                                       dsplit_kernel<kPartial, kOut, kFormat, kDepth, true>, p, geo)
+                  : cudaLaunchKernelEx(&launch.config,
+                                       dsplit_kernel<kPartial, kOut, kFormat, kDepth, false>, p,
+                                       geo);
   })
   return error != cudaSuccess ? fail(Error::kCuda, error) : status;
 }

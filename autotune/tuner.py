@@ -57,8 +57,9 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     group has more than 4 partials; one DSplit config at a quarter of the
     larger K. KvSplit K = 1 always stays (at most 12 configs). Besides, every
     DSplit config whose item is one warp (lanes x K = 32; they run four to a
-    CTA with no barrier), in 8-deep rounds where a group has more than 4
-    partials, else 4-deep: at most 4 more."""
+    CTA with no barrier) in 8-deep rounds, which beat 4-deep ones on the H200
+    even where a group has at most 4 partials (3-10 %, docs/benchmarks.md):
+    at most 4 more."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
@@ -72,8 +73,7 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
         slices[k] = set(options[:1 if k == spare else 2])
     kept = []
     for c in configs:
-        if c.family == "dsplit" and vectors // c.slices * c.kv_split == 32 and (
-                c.depth == (8 if math.ceil(key.num_splits / c.kv_split) > 4 else 4)):
+        if c.family == "dsplit" and vectors // c.slices * c.kv_split == 32 and c.depth == 8:
             keep = True
         elif c.family == "kvsplit":
             keep = c.kv_split == 1 or c.kv_split in ks

@@ -114,10 +114,9 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     pruned = candidates(key, max_split=max_split, is_cuda=is_cuda)
     assert kvsplit_config(1) in pruned and set(pruned) <= set(everything)
     if is_cuda:  # few enough to time within the first-use budget
-        # every one-warp item, at the depth its group's partials call for, and at most 12 others
+        # every one-warp item in 8-deep rounds, and at most 12 others
         one_warp = {c for c in everything if c.family == "dsplit"
-                    and one_warp_item(c, head_dim, dtype)
-                    and c.depth == (8 if -(-num_splits // c.kv_split) > 4 else 4)}
+                    and one_warp_item(c, head_dim, dtype) and c.depth == 8}
         assert len(one_warp) <= 4 and one_warp <= set(pruned)
         assert len(pruned) <= 12 + len(one_warp)
         ks = {c.kv_split for c in pruned if c.kv_split > 1 and c not in one_warp}
@@ -138,6 +137,8 @@ def one_warp_item(config, head_dim, dtype):
     (128, 256, 132, KernelConfig.dsplit(1, 16, 8)),
     (512, 512, 132, KernelConfig.dsplit(2, 4, 4)),
     (512, 2048, 16, kvsplit_config(1)),
+    (512, 64, 16, KernelConfig.dsplit(8, 4, 8)),  # one-warp items, found best 2026-12-03
+    (128, 32, 32, KernelConfig.dsplit(4, 8, 8)),
     (128, 2048, 32, kvsplit_config(4)),
 ])
 def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):

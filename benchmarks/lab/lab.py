@@ -6,14 +6,13 @@
 Each variant is one shared library built from lab_kernel.cu with -D flags
 (compiled in parallel); all run on the same buffers in one process and are
 replayed in turns (CUDA graphs), so the ratios between them are measured side
-by side. Needs only torch: the package does not have to be installed.
+by side. Needs torch and the installed package (its K rules, kvsplit.dispatch.constraints).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import math
 import os
 import pathlib
@@ -22,21 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import labkit  # noqa: E402  (the lab's own helpers, beside this file)
 
-
-def _load(name: str, path: str):
-    """A package module that imports nothing of the package, loaded from the tree."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-timing = _load("lab_timing", "autotune/timing.py")
-labkit = _load("labkit", "benchmarks/lab/labkit.py")
+timing = labkit.load("lab_timing", "autotune/timing.py")
+from kvsplit.dispatch import constraints  # noqa: E402  (the package's K rules)
 Params, RowStrides = labkit.Params, labkit.RowStrides
-constraints = _load("lab_constraints", "dispatch/constraints.py")
 
 # Name -> nvcc flags (the knobs at the top of merge_kvsplit.cuh). "-I DIR" ahead of
 # csrc/include swaps in another copy of a header, e.g. an older merge_kvsplit.cuh.

@@ -1,8 +1,7 @@
 // The DSplit kernel (bf16 partials, base-2 LSE, bf16 out) as built by one lab
-// variant: -I benchmarks/lab/knobs ahead of csrc/include swaps in the copy
-// with leave-one-out knobs; without it this is the product header. Also an
-// empty kernel of any grid and block, for the launch cost of a geometry.
-// benchmarks/lab/lab_dsplit.py loads it with ctypes, beside csrc/cuda/probe.cu.
+// variant (-D flags), and an empty kernel of any grid and block, for the
+// launch cost of a geometry. benchmarks/lab/lab_dsplit.py loads it with
+// ctypes, beside csrc/cuda/probe.cu.
 #include "kvsplit/launch.h"
 #include "kvsplit/merge_dsplit.cuh"
 
@@ -10,12 +9,10 @@ namespace {
 __global__ void lab_empty_kernel() {}
 }  // namespace
 
-// `flatten`: as merge_cuda does (product header); 0 for the lab copy, whose
-// kernel splits every row into (batch, token, head).
 extern "C" int lab_dsplit(const kvsplit::MergeParams* params, int slices, int kv_split,
-                          int depth, int flatten, void* stream) {
+                          int depth, void* stream) {
   kvsplit::MergeParams p = *params;
-  if (flatten) kvsplit::flatten_rows(p);
+  kvsplit::flatten_rows(p);  // as merge_cuda does
   kvsplit::KernelConfig config;
   config.family = kvsplit::Family::kDSplit;
   config.slices = slices;

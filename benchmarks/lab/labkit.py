@@ -1,14 +1,26 @@
-"""What the lab drivers share: params.h's MergeParams as a ctypes structure, and
-building one variant (nvcc flags) into a shared library loaded with ctypes."""
+"""What the lab drivers share: loading repository modules by path, params.h's
+MergeParams as a ctypes structure, and building one variant (nvcc flags) into a
+shared library loaded with ctypes."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FOLDER = pathlib.Path("/tmp/kvsplit-lab")
+
+
+def load(name: str, path: str):
+    """A module of the repository (``path`` under it) that imports nothing of the package,
+    loaded from the tree, so that the lab runs without the package installed."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class RowStrides(ctypes.Structure):

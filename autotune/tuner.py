@@ -53,38 +53,37 @@ _TARGET_THREADS = 65536
 def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     """The configs worth timing at ``key``: two group counts K around the
     shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
-    closest to 128 threads, and 8-deep rounds besides 4-deep ones only when a
-    group has more than 4 partials; one DSplit config at a quarter of the
-    larger K. KvSplit K = 1 always stays (at most 12 configs). Besides, every
-    DSplit config whose item is one warp (lanes x K = 32; they run four to a
-    CTA with no barrier) in 8-deep rounds, which beat 4-deep ones on the H200
-    even where a group has at most 4 partials (3-10 %, docs/benchmarks.md):
-    at most 4 more."""
+    closest to 128 threads, in 4-deep rounds where a group has at most 4
+    partials and 8-deep ones where it has more. KvSplit K = 1 always stays
+    (at most 7 configs). Besides, every DSplit config whose item is one warp
+    (lanes x K = 32; they run four to a CTA with no barrier) in 8-deep rounds,
+    which beat 4-deep ones on the H200 even where a group has at most 4
+    partials (3-10 %, docs/benchmarks.md): at most 4 more.
+
+    Replayed against the candidates timed for the shipped H200 tables
+    (``benchmarks/replay_pruning.py``, 368 keys), this set loses 0.03 %
+    geomean (worst 5 %) to the wider set they were tuned with, which also
+    timed both depths of every deep config and a third K."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
     ks = {k_hi, k_hi // 2} - {0}
-    spare = k_hi // 4  # one more K, with one slice count and 4-deep rounds only
     # Per K, the two slice counts whose CTAs come closest to 128 threads.
     slices = {}
-    for k in ks | {spare}:
+    for k in ks:
         options = sorted({c.slices for c in configs if c.family == "dsplit" and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
-        slices[k] = set(options[:1 if k == spare else 2])
+        slices[k] = set(options[:2])
     kept = []
     for c in configs:
         if c.family == "dsplit" and vectors // c.slices * c.kv_split == 32 and c.depth == 8:
             keep = True
         elif c.family == "kvsplit":
             keep = c.kv_split == 1 or c.kv_split in ks
-        elif c.kv_split == spare:
-            keep = c.slices in slices[spare] and c.depth == 4
         else:
-            # 8-deep rounds only where a group has more than 4 partials (else
-            # the same rounds, more registers); there both depths are timed,
-            # as neither wins by a rule of grid size on an H200.
             deep = math.ceil(key.num_splits / c.kv_split) > 4
-            keep = c.kv_split in ks and c.slices in slices[c.kv_split] and (deep or c.depth == 4)
+            keep = (c.kv_split in ks and c.slices in slices[c.kv_split]
+                    and c.depth == (8 if deep else 4))
         if keep:
             kept.append(c)
     return kept

@@ -192,7 +192,12 @@ class Claims:
                     skipped_locked += 1
                     continue
                 before = _decoded(dict(locked))
-                if standing(before, key in stored, now, run_started=run_started, force=force) not in CLAIMABLE:
+                # Read again under the lock: on PostgreSQL (read committed) each statement sees
+                # the latest commits, so a worker that finished this key after `stored` was read
+                # left a done row whose result the stale set would miss ("done but since
+                # pruned": claimable), and the key would be tuned twice.
+                now_stored = key in _stored(session, [key])
+                if standing(before, now_stored, now, run_started=run_started, force=force) not in CLAIMABLE:
                     skipped_locked += 1  # changed since we looked: somebody else's now
                     continue
                 attempt = _attempts(dict(locked)) + 1

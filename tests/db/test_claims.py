@@ -134,6 +134,43 @@ def test_workers_racing_for_one_grid_claim_each_key_once(db_url):
     assert sorted(k.rows for k in got) == list(range(1, 25))
 
 
+def test_a_key_finished_while_another_worker_looks_is_not_claimed_again(db_url, monkeypatch):
+    """The interleaving behind a key tuned twice on PostgreSQL: worker B reads which keys have
+    results, then A claims and finishes the key, then B locks its claim row. B must see A's
+    result (read under the lock), not its earlier read, and leave the key alone.
+
+    SQLite cannot interleave so: B's write transaction holds the database's one write lock.
+    """
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite serializes write transactions (BEGIN IMMEDIATE): no such interleaving")
+    from kvsplit.db import claims as claims_module
+
+    keys = grid(1)
+    with open_store(db_url) as store_a, open_store(db_url) as store_b:
+        claims_a, claims_b = Claims(store_a), Claims(store_b)
+        claims_a.register(keys)
+        started = claims_b.now()
+        real_stored = claims_module._stored
+        calls = []
+
+        def stored_then_a_finishes(session, wanted):
+            found = real_stored(session, wanted)
+            calls.append(set(found))
+            if len(calls) == 1:  # B has read the results; now A does all its work
+                claim = _next(claims_a, keys, "host-a/1/cpu").claim
+                assert claim is not None
+                claims_a.finish(claim, record=_record(claim.key))
+            return found
+
+        monkeypatch.setattr(claims_module, "_stored", stored_then_a_finishes)
+        step = _next(claims_b, keys, "host-b/1/cpu", run_started=started)
+        monkeypatch.undo()
+        assert calls[0] == set()  # B's first read did not see A's result
+        assert step.claim is None
+        progress = claims_a.progress(keys)
+        assert (progress.done, progress.attempts) == (1, 1)
+
+
 def test_a_claim_row_that_does_not_parse_is_claimable_and_repaired_away(store, claims, db_url):
     keys = grid(1)
     claims.register(keys)

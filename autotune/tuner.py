@@ -57,8 +57,10 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     partials and 8-deep ones where it has more. KvSplit K = 1 always stays
     (at most 7 configs). Besides, every DSplit config whose item is one warp
     (lanes x K = 32; they run four to a CTA with no barrier) in 8-deep rounds,
-    which beat 4-deep ones on the H200 even where a group has at most 4
-    partials (3-10 %, docs/benchmarks.md): at most 4 more.
+    which beat 4-deep ones at the grid's bf16 decode shapes on the H200 even
+    where a group has at most 4 partials (3-10 %, docs/benchmarks.md; with
+    fp32 partials or N = 4, 4-deep ones won, and are timed where the rule
+    above keeps them): at most 4 more.
 
     Replayed against the candidates timed for the shipped H200 tables
     (``benchmarks/replay_pruning.py``, 368 keys), this set loses 0.03 %

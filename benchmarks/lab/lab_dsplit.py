@@ -166,7 +166,7 @@ def main() -> int:
         split_lines.append(
             f"| {shape} | P{slices}xK{kv_split}d{depth} ({grid} x {block}) | {fixed['read']:.2f} | "
             f"{fixed['empty']:.2f} | "
-            + " | ".join(f"{fixed[n]:.2f}" if n in fixed else "-" for n in libs) + " |")
+            + " | ".join(f"{fixed[n]:.2f}" for n in libs) + " |")
         print(split_lines[-1], flush=True)
     text = ("Best per variant, us per launch (config PxKxdepth; Triton: warps), graph replay, "
             "L2-warm\n" + "\n".join(best_lines) + "\n\nAt the product's best config\n"

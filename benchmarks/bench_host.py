@@ -6,12 +6,15 @@ Microseconds per call, no synchronisation, cache hit (the layout's plan and
 the dispatcher's choice are made by the warm-up), ``out`` given:
   merge_*(kv_split=None)   the public call;
   merge_*(kv_split=K)      the same with a forced K;
+  merge_*, Python path     the call without the binding's per-call path
+                           (kvsplit.merge._merge: key, plan, checks, launch);
+  of which: binding's ...  csrc/fast_call.cpp's fast_merge called directly;
   raw binding              the launcher of the binding with a prepared
                            parameter object and the addresses (the floor of
                            any Python caller of these kernels);
   empty kernel binding     (GPU) an empty kernel through the binding;
   aten out.add_(0)         one aten op on the same ``out``;
-  of which: ...            pieces of the public call's own work, timed alone.
+  of which: ...            pieces of the Python path's own work, timed alone.
 All variants are timed in turns, two rounds, the median of five samples in
 the better round. GPU shape: D=512 rows=64 N=16 bf16 maxsum; CPU shape
 (the CPU implementation): D=64 rows=1 N=1 bf16 lse.
@@ -29,7 +32,7 @@ import time
 import torch
 
 import kvsplit
-from kvsplit import _native, merge
+from kvsplit import _kernel, _native, merge
 from kvsplit.dispatch.dispatcher import dispatcher
 
 
@@ -57,9 +60,15 @@ def variants(device: str):
     launch = plan.kernel.native
     addresses = (o.data_ptr(), stats.data_ptr(), 0, 0, out.data_ptr(), 0)
     scale = plan.log2_scale or 0.1
+    fmt = merge.MAXSUM if device == "cuda" else merge.LSE
+    scalar = 0.1 if device == "cuda" else 2.0
     table = {
         f"{name}(kv_split=None)": lambda: call(),
         f"{name}(kv_split=1)": lambda: call(kv_split=1),
+        f"{name}, Python path": lambda: merge._merge(fmt, o, stats, scalar, None, None, out,
+                                                      False, None),
+        "  of which: binding's per-call path": lambda: _kernel.fast_merge(
+            fmt, o, stats, scalar, None, None, out, None),
     }
     if device == "cuda":
         raw_stream = torch._C._cuda_getCurrentRawStream
@@ -68,10 +77,8 @@ def variants(device: str):
     else:
         table["raw binding"] = lambda: ext.merge_cpu(launch, *addresses, scale)
     table["aten out.add_(0)"] = lambda: out.add_(0)
-    # What the public call adds to the raw binding, piece by piece:
-    fmt = merge.MAXSUM if device == "cuda" else merge.LSE
-    scalar = 0.1 if device == "cuda" else 2.0
-    table["  of which: layout key + plan lookup"] = lambda: merge._plan(
+    # What the Python path adds to the raw binding, piece by piece:
+    table["  Python path, of which: layout key + plan lookup"] = lambda: merge._plan(
         fmt, o, stats, scalar, None, None, out, False, None)
     table["  of which: torch.compiler.is_compiling"] = torch.compiler.is_compiling
     table["  of which: 3 x data_ptr()"] = lambda: (o.data_ptr(), stats.data_ptr(), out.data_ptr())
@@ -115,6 +122,7 @@ def main() -> int:
     over_add = result[merge_name] / result["aten out.add_(0)"]
     print(f"  {merge_name} - raw binding = {over_raw:.2f} us; "
           f"{merge_name} / add_ = {over_add:.2f}x")
+    print(f"  fast path served {_kernel.fast_info()['hits']} calls (enabled: {_kernel.FAST_CALL})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"bench_host_{args.device}.json").write_text(json.dumps(

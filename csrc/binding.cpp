@@ -1,23 +1,27 @@
 // pybind11 module kvsplit._ext: exports the kernel layer's vocabulary
-// (config.h), a parameter object per call layout (Launch), and the launchers.
+// (config.h), a parameter object per call layout (Launch), the launchers and
+// (fast_call.cpp) the per-call path of a layout seen before.
 // No torch and no merge logic; a launcher's Status becomes a Python exception
 // here and only here.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <map>
-#include <string>
 #include <tuple>
-#include <utility>
-#include <vector>
 
-#include "kvsplit/launch.h"
+#include "binding_launch.h"
 
 namespace py = pybind11;
 
 namespace {
 
+using kvsplit::binding::as_pointer;
+using kvsplit::binding::error_names;
+using kvsplit::binding::guarded;
+using kvsplit::binding::Launch;
+using kvsplit::binding::merge_cpu_released;
+using kvsplit::binding::raise_for;
+using kvsplit::binding::with_addresses;
 using kvsplit::CudaTarget;
 using kvsplit::DType;
 using kvsplit::Error;
@@ -27,92 +31,11 @@ using kvsplit::MergeParams;
 using kvsplit::Status;
 using kvsplit::StatsFormat;
 
-// Everything one merge call needs but its addresses, the stats scale and the
-// stream: built once per call layout by kvsplit._kernel.
-struct Launch {
-  MergeParams params;
-  KernelConfig config;
-  CudaTarget target;
-};
-
 template <typename List>
 py::tuple values_of() {
   py::tuple values(List::size);
   for (int i = 0; i < List::size; ++i) values[i] = List::values[i];
   return values;
-}
-
-// Error code -> (name, what the message calls the value). The names are the
-// constraint names that kvsplit.dispatch reports.
-const std::map<Error, std::pair<const char*, const char*>>& error_names() {
-  static const std::map<Error, std::pair<const char*, const char*>> names = {
-      {Error::kHeadDim, {"head_dim", "head_dim"}},
-      {Error::kDtypes, {"dtypes", "(partial_dtype, out_dtype) pair"}},
-      {Error::kStatsFormat, {"stats_format", "stats_format"}},
-      {Error::kFamily, {"family", "family"}},
-      {Error::kKvSplit, {"kv_split", "kv_split"}},
-      {Error::kGroupHoldsRow,
-       {"group_holds_row", "kv_split (a group of 512/kv_split threads must hold a whole row)"}},
-      {Error::kSlices, {"slice_width", "slices (head_dim / slices must be 4..32 vectors of 16 bytes)"}},
-      {Error::kCtaThreads, {"cta_threads", "kv_split (lanes * kv_split must be 32..512 threads)"}},
-      {Error::kDepth, {"depth", "depth"}},
-      {Error::kDevice, {"device", "device"}},
-      {Error::kCuda, {"cuda", "cuda"}},
-  };
-  return names;
-}
-
-void raise_for(const Status& status) {
-  if (status.ok()) return;
-  if (status.error == Error::kDevice) {
-    throw std::runtime_error("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)");
-  }
-#if defined(KVSPLIT_WITH_CUDA)
-  if (status.error == Error::kCuda) {
-    throw std::runtime_error("kvsplit: CUDA launch failed: " +
-                             kvsplit::cuda_error_string(status.detail));
-  }
-#endif
-  throw py::value_error(std::string("kvsplit: unsupported ") +
-                        error_names().at(status.error).second + " = " +
-                        std::to_string(status.detail));
-}
-
-template <typename T>
-T* as_pointer(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-MergeParams with_addresses(const MergeParams& base, uintptr_t partial_o, uintptr_t stats,
-                           uintptr_t split_counts, uintptr_t sinks, uintptr_t out,
-                           uintptr_t out_stats, float log2_scale) {
-  MergeParams p = base;
-  p.partial_o = as_pointer<const void>(partial_o);
-  p.stats = as_pointer<const float>(stats);
-  p.split_counts = as_pointer<const int32_t>(split_counts);
-  p.sinks = as_pointer<const float>(sinks);
-  p.out = as_pointer<void>(out);
-  p.out_stats = as_pointer<float>(out_stats);
-  p.log2_scale = log2_scale;
-  return p;
-}
-
-// CPU merges of at least this many partial elements release the GIL; smaller
-// ones finish before a release and re-acquire would.
-constexpr int64_t kReleaseGilElements = int64_t{1} << 16;
-
-// A RowStrides field as a (batch, token, head) tuple.
-void def_row_strides(py::class_<MergeParams>& cls, const char* name,
-                     kvsplit::RowStrides MergeParams::*field) {
-  cls.def_property(
-      name,
-      [field](const MergeParams& p) {
-        const auto& r = p.*field;
-        return py::make_tuple(r.batch, r.token, r.head);
-      },
-      [field](MergeParams& p, const std::tuple<int64_t, int64_t, int64_t>& value) {
-        p.*field = {std::get<0>(value), std::get<1>(value), std::get<2>(value)};
-      });
 }
 
 // A launch whose split strides and row mask are per call: partials held in
@@ -130,12 +53,18 @@ MergeParams with_call(const MergeParams& base, uintptr_t partial_o, uintptr_t st
   return p;
 }
 
-Status merge_cpu_released(const MergeParams& p, const KernelConfig& config) {
-  if (p.rows * p.num_splits * p.head_dim >= kReleaseGilElements) {
-    py::gil_scoped_release release;
-    return kvsplit::merge_cpu(p, config);
-  }
-  return kvsplit::merge_cpu(p, config);
+// A RowStrides field as a (batch, token, head) tuple.
+void def_row_strides(py::class_<MergeParams>& cls, const char* name,
+                     kvsplit::RowStrides MergeParams::*field) {
+  cls.def_property(
+      name,
+      [field](const MergeParams& p) {
+        const auto& r = p.*field;
+        return py::make_tuple(r.batch, r.token, r.head);
+      },
+      [field](MergeParams& p, const std::tuple<int64_t, int64_t, int64_t>& value) {
+        p.*field = {std::get<0>(value), std::get<1>(value), std::get<2>(value)};
+      });
 }
 
 template <typename Enum>
@@ -171,21 +100,6 @@ bool parse_launch(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t expected, 
   if (scale == -1.0 && PyErr_Occurred()) return false;
   *log2_scale = static_cast<float>(scale);
   return true;
-}
-
-// Runs `launch` and turns a C++ exception into the matching Python one.
-template <typename Fn>
-PyObject* guarded(Fn&& fn) {
-  try {
-    fn();
-  } catch (const py::builtin_exception& e) {
-    e.set_error();
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
 }
 
 PyObject* merge_cpu_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -340,6 +254,7 @@ PYBIND11_MODULE(_ext, m) {
       .def_readonly("target", &Launch::target);
 
   // -- launchers ------------------------------------------------------------------------
+  kvsplit::binding::def_fast_call(m);
   // Raw METH_FASTCALL functions: these two are the per-call path of every eager
   // merge, and pybind11's overload dispatch costs more than the rest of a launch.
   static PyMethodDef launchers[] = {

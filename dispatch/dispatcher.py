@@ -48,7 +48,7 @@ from .device import DeviceFacts
 from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
 from . import InvalidSetting
 
-__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose", "dispatcher", "pdl_enabled",
+__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "PlanTable", "choose", "dispatcher", "pdl_enabled",
            "read_environment"]
 
 log = logging.getLogger("kvsplit.dispatch")
@@ -57,6 +57,54 @@ _LIBRARY_DB_TIMEOUT_S = 5.0
 _TABLE_SOURCES = ("database", "shipped", "heuristic", "tuned")
 MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
     "dsplit:SLICES:KV_SPLIT[:DEPTH]",)
+
+
+class PlanTable(dict):
+    """kvsplit.merge's launch plans per call layout: a dict whose removals also clear
+    the copies that :meth:`mirror` registered (the binding's per-call path keeps the
+    plans it serves there), and that counts its clears in :attr:`generation`."""
+
+    __slots__ = ("_mirrors", "generation")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mirrors: list = []
+        self.generation = 0
+
+    def mirror(self, clear) -> None:
+        """``clear()`` runs whenever a plan leaves this table."""
+        self._mirrors.append(clear)
+
+    def _dropped(self) -> None:
+        self.generation += 1
+        for clear in self._mirrors:
+            clear()
+
+    def clear(self) -> None:
+        super().clear()
+        self._dropped()
+
+    def __setitem__(self, key, plan) -> None:
+        replaced = key in self
+        super().__setitem__(key, plan)
+        if replaced:
+            self._dropped()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._dropped()
+
+    def pop(self, *args):
+        try:
+            return super().pop(*args)
+        finally:
+            self._dropped()
+
+    def popitem(self):
+        try:
+            return super().popitem()
+        finally:
+            self._dropped()
 
 
 def _fixed_config(mode: str) -> KernelConfig | None:
@@ -168,7 +216,7 @@ class Dispatcher:
         self._store_url: str | None = None
         self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
         #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
-        self.plans: dict[tuple, object] = {}
+        self.plans = PlanTable()
         # Child hooks run in the order registered: the pool goes before a refresh thread starts.
         os.register_at_fork(after_in_child=_forget_pool(self))
         self._refresher = Refresher(self.refresh)

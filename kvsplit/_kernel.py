@@ -30,6 +30,17 @@ def _no_cuda(device_index: int) -> int:
     raise RuntimeError("torch has no CUDA support here")
 
 
+#: The per-call path of a layout seen before (csrc/fast_call.cpp): ``fast_merge(format,
+#: partial_o, stats, scalar, sinks, split_counts, out, kv_split)`` launches a call whose
+#: layout ``fast_add`` registered and returns True, else False (take the Python path).
+fast_merge, fast_add, fast_clear, fast_info = (_ext.fast_merge, _ext.fast_add, _ext.fast_clear,
+                                               _ext.fast_info)
+#: Whether this torch publishes the DLPack exchange table that fast_merge reads
+#: tensors through (torch >= 2.10); without it fast_merge always returns False.
+FAST_CALL = _ext.fast_init(getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+                           or getattr(torch.Tensor, "__c_dlpack_exchange_api__", None),
+                           torch.Tensor, torch.is_grad_enabled)
+
 #: ``current_stream(device_index)``: the raw handle of ``device_index``'s current
 #: CUDA stream (not the current device's).
 current_stream = (torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else _no_cuda)

@@ -6,7 +6,10 @@ the scalars and the ``KVSPLIT_*`` variables) validates it in full
 launch plan for it. Every later call of that layout reads the same metadata
 again to find the plan, so a call whose tensors changed in any way is
 validated again; what depends on addresses (alignment, aliasing) is checked on
-every call. Parts held in separate tensors (a list) go through
+every call. A call with ``out`` given and no exported stats whose layout was
+seen before takes the binding's per-call path (csrc/fast_call.cpp), which
+reads the same metadata in C through torch's DLPack exchange table, makes the
+same per-call checks and launches; any call it does not serve comes back here. Parts held in separate tensors (a list) go through
 :func:`kvsplit._call.merge_call`, the adapters' entry.
 
 Both functions are also registered as ``torch.library`` custom ops
@@ -28,6 +31,8 @@ from .layout import (_FLOAT32_MAX, _LN2, LSE, MAXSUM, _check_scalar, _is_compili
 
 _merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
 _current_stream = _kernel.current_stream
+_fast_merge, _fast_add = _kernel.fast_merge, _kernel.fast_add
+_plans.mirror(_kernel.fast_clear)
 
 
 def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
@@ -125,6 +130,7 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
     if fmt == MAXSUM and not (type(scalar) is float and 0 < scalar <= _FLOAT32_MAX):
         _check_scalar(fmt, scalar)
         scalar = float(scalar)
+    generation = _plans.generation
     plan = _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split)
     if partial_o.requires_grad or stats.requires_grad or (sinks is not None and sinks.requires_grad):
         _check_grad(partial_o, stats, sinks)
@@ -136,16 +142,39 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
         _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, fresh_out)
         return out, out_stats
     _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, fresh_out)
+    if not fresh_out:
+        _remember(plan, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                  kv_split)
     return out
+
+
+def _remember(plan: _LayoutPlan, generation: int, fmt, partial_o, stats, scalar, sinks,
+              split_counts, out, kv_split) -> None:
+    """Hands a cached plan that just launched (``out`` given, no exported stats) to the
+    binding's per-call path, which serves the layout's later calls (csrc/fast_call.cpp).
+
+    Not when the plan table was cleared meanwhile (a refresh from another thread:
+    the plan may be stale), and not for a plan that was not cached.
+    """
+    if plan.native is not None and plan.cacheable and _plans.generation == generation:
+        _fast_add(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split, plan.native,
+                  plan.device_index, plan.store_bytes, plan.extents, plan.log2_scale)
 
 
 def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
                 kv_split) -> None:
     """The custom ops' eager body: ``out`` (and ``out_stats``) given; ``kv_split`` 0 = choose."""
     kv_split = kv_split or None
+    if out_stats is None and _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                                         kv_split):
+        return
+    generation = _plans.generation
     plan = _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats is not None,
                  kv_split)
     _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, False)
+    if out_stats is None:
+        _remember(plan, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                  kv_split)
 
 
 @torch.library.custom_op("kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))
@@ -214,6 +243,10 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     non-empty split is 0 with stats (-inf, 0). No input may require grad
     while grad mode is on (there is no backward).
     """
+    if (out is not None and not return_stats and not _is_compiling()
+            and _fast_merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
+                            kv_split)):
+        return out
     if isinstance(partial_o, (list, tuple)):
         return merge_call(MAXSUM, partial_o, partial_stats, scale_log2, sinks=sinks,
                           split_counts=split_counts, out=out, return_stats=return_stats,
@@ -248,6 +281,9 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     Tensor, or (Tensor, Tensor) with ``return_lse``. A row with no non-empty
     split is 0 with LSE -inf.
     """
+    if (out is not None and not return_lse and not _is_compiling()
+            and _fast_merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, kv_split)):
+        return out
     if isinstance(partial_o, (list, tuple)):
         return merge_call(LSE, partial_o, partial_lse, base, sinks=sinks,
                           split_counts=split_counts, out=out, return_stats=return_lse,

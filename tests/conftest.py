@@ -233,6 +233,8 @@ def chosen_kv_split(monkeypatch):
         return launch(plan, *args)
 
     monkeypatch.setattr(merge_module, "_launch", spy)
+    # Every call through the Python path, so that the spy sees each launch.
+    monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
     return chosen
 
 

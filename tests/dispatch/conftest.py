@@ -111,6 +111,8 @@ def kernel_ks(monkeypatch):
         monkeypatch.setattr(dispatch_module, "choose_for_plan", other.choose_for_plan)
 
     monkeypatch.setattr(merge_module, "_launch", spy_launch)
+    # Every call through the Python path, so that the spy sees each launch.
+    monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
     yield SimpleNamespace(ks=ks, use=use)
     dispatch_module.dispatcher.plans.clear()
 

@@ -1,0 +1,305 @@
+"""The per-call path of a layout seen before (csrc/fast_call.cpp, kvsplit/merge.py).
+
+A call with ``out`` given whose layout the Python path validated and launched
+once is served by the binding: these tests check that it computes the same
+merge (float64 reference on fresh data), that every call whose tensors
+changed in any way goes back through validation (same plan only for the same
+dtype, shape, strides, device, scalars and settings), and that the errors of
+bad inputs stay those of the Python path. ``fast_info()['hits']`` says which
+path served a call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kvsplit
+from kvsplit import _kernel
+from kvsplit import merge as merge_module
+from kvsplit.dispatch.dispatcher import dispatcher
+
+pytestmark = pytest.mark.skipif(not _kernel.FAST_CALL,
+                                reason="this torch has no DLPack exchange table")
+
+
+def hits() -> int:
+    return _kernel.fast_info()["hits"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    dispatcher.plans.clear()
+    yield
+    dispatcher.plans.clear()
+
+
+def lse_call(merge_kit, device, *, num_splits=6, rows=10, head_dim=128, dtype=torch.bfloat16,
+             seed=0):
+    gen = merge_kit.generator("fast", num_splits, rows, head_dim, dtype, seed)
+    partial_o, lse = merge_kit.partials("lse2", num_splits, rows, head_dim, dtype, gen)
+    partial_o, lse = partial_o.to(device), lse.to(device)
+    out_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
+    out = torch.empty(rows, head_dim, dtype=out_dtype, device=device)
+    return partial_o, lse, out
+
+
+def reference_of(merge_kit, partial_o, lse, **kwargs):
+    return merge_kit.reference("lse2", partial_o, lse, **kwargs)[0]
+
+
+def assert_merged(merge_kit, out, partial_o, lse, **kwargs):
+    ref = reference_of(merge_kit, partial_o, lse, **kwargs)
+    got = out.cpu().double()
+    torch.testing.assert_close(got, ref, rtol=torch.finfo(out.dtype).eps, atol=1e-5)
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def test_a_repeated_call_is_served_by_the_binding_and_matches_the_reference(merge_kit, device):
+    partial_o, lse, out = lse_call(merge_kit, device)
+    kvsplit.merge_lse(partial_o, lse, out=out)  # the Python path: validates, plans, registers
+    assert _kernel.fast_info()["entries"] == 1
+    for seed in range(3):  # fresh values in the same tensors
+        fresh = lse_call(merge_kit, device, seed=seed + 1)
+        partial_o.copy_(fresh[0])
+        lse.copy_(fresh[1])
+        out.fill_(float("nan"))
+        before = hits()
+        assert kvsplit.merge_lse(partial_o, lse, out=out) is out
+        assert hits() == before + 1
+        sync(device)
+        assert_merged(merge_kit, out, partial_o, lse)
+
+
+def test_the_binding_computes_what_the_python_path_computes(merge_kit, device, monkeypatch):
+    gen = merge_kit.generator("fast-maxsum", device)
+    partial_o, stats = merge_kit.partials("maxsum", 16, 24, 64, torch.float16, gen)
+    partial_o, stats = partial_o.to(device), stats.to(device)
+    sinks = torch.randn(24, generator=gen).to(device)
+    counts = torch.randint(0, 17, (24,), generator=gen, dtype=torch.int32).to(device)
+    out = torch.empty(24, 64, dtype=torch.float16, device=device)
+    kwargs = dict(sinks=sinks, split_counts=counts, out=out)
+    kvsplit.merge_maxsum(partial_o, stats, 0.7, **kwargs)
+    out.zero_()
+    before = hits()
+    kvsplit.merge_maxsum(partial_o, stats, 0.7, **kwargs)
+    assert hits() == before + 1
+    fast = out.clone()
+    monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
+    out.zero_()
+    kvsplit.merge_maxsum(partial_o, stats, 0.7, **kwargs)
+    assert torch.equal(fast, out)
+    ref = merge_kit.reference("maxsum", partial_o, stats, scale=0.7, sinks=sinks,
+                                    split_counts=counts)[0]
+    torch.testing.assert_close(fast.cpu().double(), ref, rtol=torch.finfo(out.dtype).eps, atol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "strides of out", "strides of partials",
+                                    "resize_ in place", "as_strided_ in place", "transpose_ in place"])
+def test_a_call_whose_tensors_changed_is_validated_again(merge_kit, device, change):
+    partial_o, lse, out = lse_call(merge_kit, device, rows=8, head_dim=64)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    before = hits()
+    if change == "shape":
+        partial_o, lse, out = lse_call(merge_kit, device, rows=9, head_dim=64)
+    elif change == "dtype":
+        partial_o, out = partial_o.half(), out.half()
+    elif change == "strides of out":
+        out = torch.empty(64, 8, dtype=out.dtype, device=device).t()[:, :64]  # head_dim stride 8
+        with pytest.raises(ValueError, match="out must have unit stride"):
+            kvsplit.merge_lse(partial_o, lse, out=out)
+        assert hits() == before
+        return
+    elif change == "strides of partials":
+        wide = torch.empty(partial_o.shape[0], 8, 128, dtype=partial_o.dtype, device=device)
+        wide[..., :64] = partial_o
+        partial_o = wide[..., :64]
+    elif change == "resize_ in place":
+        out.resize_(7, 64)  # the same tensor object, now the wrong shape
+        with pytest.raises(ValueError, match="out"):
+            kvsplit.merge_lse(partial_o, lse, out=out)
+        assert hits() == before
+        return
+    elif change == "as_strided_ in place":
+        out.as_strided_((4, 64), (64, 1))  # the same tensor object, half its rows
+        with pytest.raises(ValueError, match="out"):
+            kvsplit.merge_lse(partial_o, lse, out=out)
+        assert hits() == before
+        return
+    elif change == "transpose_ in place":
+        partial_o.transpose_(0, 1)  # (rows, splits, D): now a different merge
+        lse.transpose_(0, 1)
+        out = torch.empty(6, 64, dtype=out.dtype, device=device)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    assert hits() == before  # the first call of the new layout took the Python path
+    sync(device)
+    assert_merged(merge_kit, out, partial_o, lse)
+    out.zero_()
+    kvsplit.merge_lse(partial_o, lse, out=out)  # and its second call the binding
+    assert hits() == before + 1
+    sync(device)
+    assert_merged(merge_kit, out, partial_o, lse)
+
+
+def test_bad_addresses_of_a_known_layout_raise_the_python_paths_errors(merge_kit, device):
+    partial_o, lse, out = lse_call(merge_kit, device, rows=8, head_dim=64)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    before = hits()
+    storage = torch.empty(partial_o.numel() + 8, dtype=partial_o.dtype, device=device)
+    shifted = storage[1:1 + partial_o.numel()].view(partial_o.shape)  # 2 bytes off
+    with pytest.raises(ValueError, match="partial_o must be 16-byte aligned"):
+        kvsplit.merge_lse(shifted, lse, out=out)
+    aliased = partial_o.clone()
+    with pytest.raises(ValueError, match="out overlaps partial_o"):
+        kvsplit.merge_lse(aliased, lse, out=aliased[0])
+    with pytest.raises(ValueError, match="out overlaps partial_o"):
+        kvsplit.merge_lse(aliased, lse, out=aliased[3])
+    assert hits() == before
+
+
+def test_grad_mode_is_checked_on_every_call(merge_kit, device):
+    partial_o, lse, out = lse_call(merge_kit, device, dtype=torch.float32)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    wants_grad = partial_o.clone().requires_grad_()
+    with torch.no_grad():
+        kvsplit.merge_lse(wants_grad, lse, out=out)  # allowed: no grad mode
+        before = hits()
+        kvsplit.merge_lse(wants_grad, lse, out=out)
+        assert hits() == before + 1
+    with pytest.raises(RuntimeError, match="no backward"):
+        kvsplit.merge_lse(wants_grad, lse, out=out)
+
+
+def test_settings_and_forced_splits_key_the_plan(merge_kit, device, monkeypatch):
+    partial_o, lse, out = lse_call(merge_kit, device, num_splits=16, rows=4)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    kvsplit.merge_lse(partial_o, lse, out=out, kv_split=2)
+    assert _kernel.fast_info()["entries"] == 2  # kv_split=None and kv_split=2
+    before = hits()
+    mode = os.environ.get("KVSPLIT_MODE")
+    monkeypatch.setenv("KVSPLIT_MODE", "off")  # K = 1 from now on
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    assert hits() == before
+    configs = {plan.kernel.config.label for plan in dispatcher.plans.values()}
+    assert "kvsplit(kv_split=1)" in configs
+    out.zero_()
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    assert hits() == before + 1
+    sync(device)
+    assert_merged(merge_kit, out, partial_o, lse)
+    if mode is None:
+        monkeypatch.delenv("KVSPLIT_MODE")
+    else:
+        monkeypatch.setenv("KVSPLIT_MODE", mode)
+    kvsplit.merge_lse(partial_o, lse, out=out)  # settings changed again: the Python path
+    assert hits() == before + 1
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    assert hits() == before + 2
+
+
+def test_clearing_the_plans_clears_the_binding_and_a_refresh_reaches_it(merge_kit, device):
+    partial_o, lse, out = lse_call(merge_kit, device)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    assert _kernel.fast_info()["entries"] == 1
+    generation = dispatcher.plans.generation
+    dispatcher.plans.clear()
+    assert _kernel.fast_info()["entries"] == 0 and dispatcher.plans.generation == generation + 1
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    dispatcher.forget()
+    assert _kernel.fast_info()["entries"] == 0 and dispatcher.plans == {}
+
+
+def test_a_plan_built_while_the_table_was_cleared_is_not_registered(merge_kit, device, monkeypatch):
+    partial_o, lse, out = lse_call(merge_kit, device)
+    plan_of = merge_module._plan
+
+    def plan_then_refresh(*args):  # a refresh thread clearing the plans meanwhile
+        plan = plan_of(*args)
+        dispatcher.plans.clear()
+        return plan
+
+    monkeypatch.setattr(merge_module, "_plan", plan_then_refresh)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    assert _kernel.fast_info()["entries"] == 0
+
+
+def test_tensor_subclasses_and_other_scalars_take_the_python_path(merge_kit, device):
+    partial_o, lse, out = lse_call(merge_kit, device)
+
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = partial_o.as_subclass(Tagged)
+    kvsplit.merge_lse(tagged, lse, out=out)
+    kvsplit.merge_lse(tagged, lse, out=out)
+    assert _kernel.fast_info()["entries"] == 0
+    sync(device)
+    assert_merged(merge_kit, out, partial_o, lse)
+    kvsplit.merge_lse(partial_o, lse, out=out, base=2)  # an int base: same plan, Python path
+    before = hits()
+    kvsplit.merge_lse(partial_o, lse, out=out, base=2)
+    assert hits() == before
+
+
+def test_the_custom_op_eager_body_uses_the_binding_too(merge_kit, device):
+    partial_o, lse, out = lse_call(merge_kit, device)
+    torch.ops.kvsplit.merge_lse_out(partial_o, lse, 2.0, None, None, out, None, 0)
+    before = hits()
+    out.zero_()
+    torch.ops.kvsplit.merge_lse_out(partial_o, lse, 2.0, None, None, out, None, 0)
+    assert hits() == before + 1
+    sync(device)
+    assert_merged(merge_kit, out, partial_o, lse)
+
+
+def test_fast_init_refuses_what_is_not_an_exchange_table():
+    ext = _kernel._ext
+    assert ext.fast_init(None, torch.Tensor, torch.is_grad_enabled) is False
+    assert ext.fast_init(object(), torch.Tensor, torch.is_grad_enabled) is False
+    assert _kernel.fast_info()["enabled"]  # the table set at import stays
+
+
+@pytest.mark.gpu
+def test_the_binding_launches_on_the_current_stream(merge_kit, cuda_device):
+    partial_o, lse, out = lse_call(merge_kit, "cuda", rows=64, head_dim=512)
+    kvsplit.merge_lse(partial_o, lse, out=out)
+    fresh_o, fresh_lse, _ = lse_call(merge_kit, "cuda", rows=64, head_dim=512, seed=9)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    before = hits()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the copy lands long after a launch on another stream would
+        partial_o.copy_(fresh_o)
+        lse.copy_(fresh_lse)
+        kvsplit.merge_lse(partial_o, lse, out=out)
+    assert hits() == before + 1
+    torch.cuda.synchronize()
+    assert_merged(merge_kit, out, fresh_o, fresh_lse)
+
+
+@pytest.mark.gpu
+def test_the_binding_captures_into_a_cuda_graph(merge_kit, cuda_device):
+    partial_o, lse, out = lse_call(merge_kit, "cuda", rows=32, head_dim=128)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kvsplit.merge_lse(partial_o, lse, out=out)  # plan and registration outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    before = hits()
+    with torch.cuda.graph(graph):
+        kvsplit.merge_lse(partial_o, lse, out=out)
+    assert hits() == before + 1
+    for seed in (3, 4):
+        fresh_o, fresh_lse, _ = lse_call(merge_kit, "cuda", rows=32, head_dim=128, seed=seed)
+        partial_o.copy_(fresh_o)
+        lse.copy_(fresh_lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_merged(merge_kit, out, fresh_o, fresh_lse)

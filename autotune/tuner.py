@@ -60,11 +60,14 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     which beat 4-deep ones at the grid's bf16 decode shapes on the H200 even
     where a group has at most 4 partials (3-10 %, docs/benchmarks.md; with
     fp32 partials or N = 4, 4-deep ones won, and are timed where the rule
-    above keeps them): at most 4 more.
+    above keeps them): at most 4 more. At the larger K, where its groups
+    hold at most 32 partials, both depths of each of these DSplit configs
+    (at most 3 more): 4-deep rounds won there at D = 512, 300 rows, N = 48
+    and 100 (by 4-6 %, the unseen shapes of benchmarks/bench_dispatch.py).
 
     Replayed against the candidates timed for the shipped H200 tables
-    (``benchmarks/replay_pruning.py``, 368 keys), this set loses 0.03 %
-    geomean (worst 5 %) to the wider set they were tuned with, which also
+    (``benchmarks/replay_pruning.py``, 368 keys), this set loses 0.01 %
+    geomean (worst 1.9 %) to the wider set they were tuned with, which also
     timed both depths of every deep config and a third K."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
@@ -76,16 +79,20 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
         options = sorted({c.slices for c in configs if c.family == "dsplit" and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
         slices[k] = set(options[:2])
+    # At the larger K, groups of at most 32 partials: both depths of what is kept.
+    both_depths = key.num_splits <= 32 * k_hi
     kept = []
     for c in configs:
-        if c.family == "dsplit" and vectors // c.slices * c.kv_split == 32 and c.depth == 8:
+        either_depth = both_depths and c.kv_split == k_hi
+        if c.family == "dsplit" and vectors // c.slices * c.kv_split == 32 and (
+                c.depth == 8 or either_depth):
             keep = True
         elif c.family == "kvsplit":
             keep = c.kv_split == 1 or c.kv_split in ks
         else:
             deep = math.ceil(key.num_splits / c.kv_split) > 4
             keep = (c.kv_split in ks and c.slices in slices[c.kv_split]
-                    and c.depth == (8 if deep else 4))
+                    and (either_depth or c.depth == (8 if deep else 4)))
         if keep:
             kept.append(c)
     return kept

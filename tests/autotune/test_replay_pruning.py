@@ -34,7 +34,7 @@ def test_a_dropped_candidate_that_was_fastest_is_the_regret():
     assert untouched["regrets"] == [pytest.approx(fastest_kept / best - 1.0)]
     dropped[0].median_us = best / 2
     result = replay_pruning.replay([record])
-    assert result["records"] == 1 and result["unknown"] == 0
+    assert result["records"] == 1 and result["unknown"] == untouched["unknown"]
     assert result["regrets"] == [pytest.approx(fastest_kept / (best / 2) - 1.0)]
     assert result["worst"] == (pytest.approx(fastest_kept / (best / 2) - 1.0), record.key)
 
@@ -43,6 +43,8 @@ def test_the_shipped_tables_replay_within_the_documented_regret():
     """The rule in autotune/tuner.py, against what the shipped tables timed (docstring figures)."""
     records = [r for path in sorted(SHIPPED.parent.glob("*.json")) for r in read_export(path)]
     result = replay_pruning.replay(records)
-    assert result["records"] == len(records) and result["unknown"] == 0
-    assert max(result["kept"]) <= 11
-    assert max(result["regrets"]) < 0.06
+    # The tables predate the rule's second depth at the larger K: those candidates were
+    # never timed, and the replay judges the rule by the ones that were.
+    assert result["records"] == len(records) and result["unknown"] < sum(result["kept"]) / 4
+    assert max(result["kept"]) <= 14
+    assert max(result["regrets"]) < 0.02

@@ -28,6 +28,7 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
     """The facts, and the exit code: 2 for an invalid ``KVSPLIT_*`` setting, 3 for a database problem."""
     import torch
 
+    from . import _kernel
     from .dispatch import InvalidSetting
     from .dispatch.dispatcher import read_settings
     from .dispatch.refresh import refresh_interval
@@ -43,6 +44,9 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
         "cuda kernels": "yes" if has_cuda_kernels() else "no (CPU implementation only)",
         "compiled architectures": ext.cuda_architectures or "-",
         "torch": torch.__version__,
+        # Calls of a known layout with `out` given launch from the binding (csrc/fast_call.cpp).
+        "per-call path": ("binding (torch's DLPack exchange table)" if _kernel.FAST_CALL
+                          else "Python (this torch has no DLPack exchange table)"),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

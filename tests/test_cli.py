@@ -19,6 +19,7 @@ import torch
 from click.testing import CliRunner
 
 import kvsplit as library
+from kvsplit import _kernel
 from kvsplit.config import build_hash, has_cuda_kernels
 from kvsplit.autotune import tuner
 from kvsplit.cli import main
@@ -94,6 +95,7 @@ def test_info_json(env):
     assert expected_device() in facts["device"]
     assert facts["cuda kernels"] in ("yes", "no (CPU implementation only)")
     assert facts["cuda kernels"].startswith("yes") == has_cuda_kernels()
+    assert facts["per-call path"].startswith("binding") == _kernel.FAST_CALL
 
 
 def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):

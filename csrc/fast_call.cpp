@@ -36,7 +36,7 @@ enum Slot { kSlotPartialO, kSlotStats, kSlotOut, kSlotSinks, kSlotSplitCounts, k
 constexpr Arg kSlotArg[kSlots] = {kPartialO, kStats, kOut, kSinks, kSplitCounts};
 
 constexpr int kMaxDims = 8;
-constexpr int kHeaderWords = 4;
+constexpr int kHeaderWords = 3;  // format and optional tensors, kv_split, LSE base
 constexpr int kKeyWords = kHeaderWords + kSlots * (2 + 2 * kMaxDims);
 constexpr const char* kEnvironment[] = {"KVSPLIT_MODE", "KVSPLIT_MAX_SPLIT", "KVSPLIT_DB",
                                         "KVSPLIT_PDL"};
@@ -152,7 +152,6 @@ bool read_call(const State& s, PyObject* const* args, Key& key, dlpack::Tensor (
   key.push(format | mask << 8 | static_cast<int64_t>(forced) << 16);
   key.push(kv_split);
   key.push(scalar_bits);
-  key.push(kKeyWords);  // the layout of the key itself
   for (int slot = 0; slot < kSlots; ++slot) {
     if (present[slot] && !read_tensor(s, args[kSlotArg[slot]], tensors[slot], key)) return false;
   }

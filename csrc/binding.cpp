@@ -18,6 +18,7 @@ namespace {
 using kvsplit::binding::as_pointer;
 using kvsplit::binding::error_names;
 using kvsplit::binding::guarded;
+using kvsplit::binding::launch_at;
 using kvsplit::binding::Launch;
 using kvsplit::binding::merge_cpu_released;
 using kvsplit::binding::raise_for;
@@ -108,9 +109,7 @@ PyObject* merge_cpu_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   float log2_scale = 1.f;
   if (!parse_launch(args, nargs, 8, "merge_cpu", &launch, a, &log2_scale)) return nullptr;
   return guarded([&] {
-    const MergeParams p = with_addresses(launch->params, a[0], a[1], a[2], a[3], a[4], a[5],
-                                         log2_scale);
-    raise_for(merge_cpu_released(p, launch->config));
+    raise_for(launch_at(*launch, a[0], a[1], a[2], a[3], a[4], a[5], log2_scale, false, nullptr));
   });
 }
 
@@ -120,11 +119,8 @@ PyObject* merge_cuda_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   float log2_scale = 1.f;
   if (!parse_launch(args, nargs, 9, "merge_cuda", &launch, a, &log2_scale)) return nullptr;
   return guarded([&] {
-    CudaTarget target = launch->target;
-    target.stream = as_pointer<void>(a[6]);
-    raise_for(kvsplit::merge_cuda(with_addresses(launch->params, a[0], a[1], a[2], a[3], a[4],
-                                                 a[5], log2_scale),
-                                  launch->config, target));
+    raise_for(launch_at(*launch, a[0], a[1], a[2], a[3], a[4], a[5], log2_scale, true,
+                        as_pointer<void>(a[6])));
   });
 }
 

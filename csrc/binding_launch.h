@@ -108,6 +108,21 @@ inline Status merge_cpu_released(const MergeParams& p, const KernelConfig& confi
   return merge_cpu(p, config);
 }
 
+// One launch of `launch` at these addresses: on the CPU, or with `cuda` on `stream`.
+// It copies what it needs first: a CPU merge releases the GIL, and the Launch
+// may be released meanwhile (fast_call.cpp's table is cleared from any thread).
+inline Status launch_at(const Launch& launch, uintptr_t partial_o, uintptr_t stats,
+                        uintptr_t split_counts, uintptr_t sinks, uintptr_t out,
+                        uintptr_t out_stats, float log2_scale, bool cuda, void* stream) {
+  const MergeParams p = with_addresses(launch.params, partial_o, stats, split_counts, sinks, out,
+                                       out_stats, log2_scale);
+  const KernelConfig config = launch.config;
+  if (!cuda) return merge_cpu_released(p, config);
+  CudaTarget target = launch.target;
+  target.stream = stream;
+  return merge_cuda(p, config, target);
+}
+
 // The per-call path (fast_call.cpp): adds fast_merge, fast_add, fast_clear,
 // fast_info and fast_init to the module.
 void def_fast_call(py::module_& m);

@@ -229,24 +229,16 @@ PyObject* fast_merge(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   if (grad_refused(s, args)) return answer(false);
-  // Copies: a CPU merge releases the GIL, and another thread may clear the entries meanwhile.
-  const MergeParams params = with_addresses(
-      entry.launch->params, a[kSlotPartialO], a[kSlotStats], a[kSlotSplitCounts], a[kSlotSinks],
-      a[kSlotOut], 0, entry.fixed_scale ? entry.log2_scale : static_cast<float>(scalar));
-  const KernelConfig config = entry.launch->config;
-  CudaTarget target = entry.launch->target;
-  const int device_index = entry.device_index;
-  if (device_index >= 0) {
-    void* stream = nullptr;
-    if (s.api->current_work_stream(dlpack::kCuda, device_index, &stream) != 0) {
-      PyErr_Clear();
-      return answer(false);
-    }
-    target.stream = stream;
+  const bool cuda = entry.device_index >= 0;
+  void* stream = nullptr;
+  if (cuda && s.api->current_work_stream(dlpack::kCuda, entry.device_index, &stream) != 0) {
+    PyErr_Clear();
+    return answer(false);
   }
+  const float log2_scale = entry.fixed_scale ? entry.log2_scale : static_cast<float>(scalar);
   PyObject* done = guarded([&] {
-    raise_for(device_index >= 0 ? merge_cuda(params, config, target)
-                                : merge_cpu_released(params, config));
+    raise_for(launch_at(*entry.launch, a[kSlotPartialO], a[kSlotStats], a[kSlotSplitCounts],
+                        a[kSlotSinks], a[kSlotOut], 0, log2_scale, cuda, stream));
   });
   if (done == nullptr) return nullptr;
   Py_DECREF(done);

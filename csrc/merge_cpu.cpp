@@ -78,7 +78,7 @@ void merge_group(MergeState<kHeadDim>& state, const MergeParams& p, const Kernel
   }
   const int depth = config.depth;
   const int first = count - (count - 1) / depth * depth;
-  KVSPLIT_DISPATCH_FIRST_ROUND(first, 8, kFirst, {
+  KVSPLIT_DISPATCH_FIRST_ROUND(first, kDsplitMaxDepth, kFirst, {
     merge_batch_at<kFirst, kHeadDim, kPartial>(state, p, format, row, group, k, kFirst, last);
   })
   Status status;  // config checked by merge_cpu: the depth is a legal one

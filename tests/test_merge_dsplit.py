@@ -5,7 +5,7 @@ through the public merge functions, on the CPU twin and on CUDA where it can,
 against the float64 reference and against KvSplit K = 1 on fresh random data.
 The valid configs are written out here from the family's rules, independently
 of dispatch/: a slice is 4..32 vectors of 16 bytes (a power of two), a CTA has
-32..512 threads, kv_split <= num_splits, and a round loads 4 or 8 partials.
+32..512 threads, kv_split <= num_splits, and a round loads 4, 8 or 16 partials.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Kernel
             continue
         for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
             if 32 <= vectors * kv_split <= 512 and kv_split <= num_splits:
-                configs += [KernelConfig.dsplit(slices, kv_split, depth) for depth in (4, 8)]
+                configs += [KernelConfig.dsplit(slices, kv_split, depth) for depth in (4, 8, 16)]
     return configs
 
 
@@ -93,7 +93,7 @@ def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, c
     scale = merge_kit.scale_log2(gen)
     lanes = head_dim * dtypes[0].itemsize // 16 // slices
     configs = [KernelConfig.dsplit(slices, k, depth) for k in (64, 128) if lanes * k <= 512
-               for depth in (4, 8)]
+               for depth in (4, 8, 16)]
     for config in configs:
         pin(monkeypatch, config)
         out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale,
@@ -104,13 +104,15 @@ def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, c
     assert configs and chosen_kv_split == configs
 
 
-@pytest.mark.parametrize("depth", [4, 8])
+@pytest.mark.parametrize("depth", [4, 8, 16])
 @pytest.mark.parametrize("kv_split", [4, 8])
 def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, merge_kit,
                                                  chosen_kv_split, monkeypatch):
-    """Groups of 1..13 partials (a first round of 1..depth, then full rounds), some rows empty."""
+    """Groups of 1..depth + 2 partials (a first round of every size 1..depth, then full
+    rounds), some rows empty."""
     head_dim, config = 128, KernelConfig.dsplit(2, kv_split, depth)
-    for num_splits in range(kv_split, kv_split * 4 + 2):
+    counts = range(kv_split, kv_split * (depth + 1) + 2)
+    for num_splits in counts:
         gen = merge_kit.generator("trip", kv_split, num_splits)
         partial_o, stats = merge_kit.partials("maxsum", num_splits, 12, head_dim, torch.bfloat16,
                                               gen)
@@ -123,7 +125,7 @@ def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, merge_
         merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
             "maxsum", partial_o, stats, scale=scale, split_counts=split_counts))
         assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
-    assert chosen_kv_split == [config] * (kv_split * 3 + 2)
+    assert chosen_kv_split == [config] * len(counts)
 
 
 def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split, monkeypatch):
@@ -177,7 +179,7 @@ def test_one_warp_items_run_four_to_a_cta(device, fmt, merge_kit, chosen_kv_spli
     last CTA partly idle, sinks, split counts, empty splits and exported stats."""
     head_dim = 128  # 16 vectors of bf16: slices 1, 2, 4 give 16, 8, 4 lanes
     configs = [KernelConfig.dsplit(slices, 32 // (16 // slices), depth)
-               for slices in (1, 2, 4) for depth in (4, 8)]
+               for slices in (1, 2, 4) for depth in (4, 8, 16)]
     for rows in (1, 3, 6, 7):
         gen = merge_kit.generator("one-warp", fmt, rows)
         num_splits = int(torch.randint(9, 40, (), generator=gen))

@@ -42,25 +42,34 @@ VARIANTS = {
     "pack2": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=2",
     "pack8": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=8",
     "pack16": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=16",
+    "lane8": "-DKVSPLIT_DSPLIT_LANE_BYTES=8",  # 8 bytes of a row per lane and partial
+    "lane4": "-DKVSPLIT_DSPLIT_LANE_BYTES=4",
 }
+
+
+def lane_bytes(variant: str) -> int:
+    """Bytes each lane loads per partial in ``variant`` (the product: 16)."""
+    flag = "-DKVSPLIT_DSPLIT_LANE_BYTES="
+    return int(VARIANTS[variant].split(flag)[1]) if flag in VARIANTS[variant] else 16
 SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
 SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
-          (512, 64, 64), (128, 32, 264), (512, 64, 132)]
+          (512, 64, 64), (128, 32, 264), (512, 64, 132), (512, 128, 16), (512, 2048, 16),
+          (128, 2048, 16), (128, 2048, 32)]
 
 
-def configs(head_dim: int, num_splits: int, elem_bytes: int = 2):
+def configs(head_dim: int, num_splits: int, elem_bytes: int = 2, lane_bytes: int = 16):
     """DSplit (slices, kv_split, depth, lanes) legal by config.h, kv_split <= N,
-    depth 8 only where a group has more than 4 partials."""
+    depth 8 only where a group has more than 4 partials, 16 where more than 8."""
     found = []
     for slices in (1, 2, 4, 8, 16):
-        lanes = head_dim * elem_bytes // (16 * slices)
+        lanes = head_dim * elem_bytes // (lane_bytes * slices)
         if lanes < 4 or lanes > 32:
             continue
         for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
             if not 32 <= lanes * kv_split <= 512 or kv_split > max(num_splits, 32 // lanes):
                 continue
             per_group = -(-num_splits // kv_split)
-            for depth in (4, 8) if per_group > 4 else (4,):
+            for depth in [d for d in (4, 8, 16) if d == 4 or per_group > d // 2]:
                 found.append((slices, kv_split, depth, lanes))
     return found
 
@@ -132,7 +141,8 @@ def main() -> int:
             runs[("triton", warps)] = (lambda w: lambda i: peers.triton_merge(
                 o, lse, out, num_warps=w))(warps)
         for name, lib in libs.items():
-            for slices, kv_split, depth, lanes in configs(head_dim, num_splits):
+            for slices, kv_split, depth, lanes in configs(head_dim, num_splits,
+                                                          lane_bytes=lane_bytes(name)):
                 run = dsplit_run(lib, p, slices, kv_split, depth)
                 run(0)
                 torch.cuda.synchronize()
@@ -157,7 +167,8 @@ def main() -> int:
         _, slices, kv_split, depth = best("product")
         lanes = head_dim * 2 // (16 * slices)
         grid, block = rows * slices, lanes * kv_split
-        again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()}
+        again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()
+                 if lane_bytes(name) == 16}
         again["read"] = runs[("read",)]
         again["empty"] = lambda i: libs["product"].lab_empty(grid, block, stream())
         fixed = {key: t.median_us for key, t in
@@ -166,7 +177,7 @@ def main() -> int:
         split_lines.append(
             f"| {shape} | P{slices}xK{kv_split}d{depth} ({grid} x {block}) | {fixed['read']:.2f} | "
             f"{fixed['empty']:.2f} | "
-            + " | ".join(f"{fixed[n]:.2f}" for n in libs) + " |")
+            + " | ".join(f"{fixed[n]:.2f}" if n in fixed else "-" for n in libs) + " |")
         print(split_lines[-1], flush=True)
     text = ("Best per variant, us per launch (config PxKxdepth; Triton: warps), graph replay, "
             "L2-warm\n" + "\n".join(best_lines) + "\n\nAt the product's best config\n"

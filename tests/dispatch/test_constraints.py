@@ -203,7 +203,7 @@ def test_valid_configs_are_exactly_those_that_constrain_leaves_alone(shape):
     configs = valid_configs(**shape)
     assert configs[0] == kvsplit_config(1)
     everything = [kvsplit_config(k) for k in KV_SPLITS] + [
-        KernelConfig.dsplit(p, k, d) for p in DSPLIT_SLICES for k in DSPLIT_KV_SPLITS for d in (4, 8)]
+        KernelConfig.dsplit(p, k, d) for p in DSPLIT_SLICES for k in DSPLIT_KV_SPLITS for d in (4, 8, 16)]
     for config in everything:
         unchanged = constrain_config(config, **shape) == config
         assert unchanged == (config in configs) or config == kvsplit_config(1)
@@ -214,7 +214,7 @@ def test_the_rules_are_the_kernel_layers():
     assert KV_SPLITS == FAMILIES["kvsplit"]["kv_split"] == (1, 2, 4, 8, 16)
     assert DSPLIT_SLICES == FAMILIES["dsplit"]["slices"]
     assert DSPLIT_KV_SPLITS == FAMILIES["dsplit"]["kv_split"]
-    assert DSPLIT_DEPTHS == FAMILIES["dsplit"]["depth"] == (4, 8)
+    assert DSPLIT_DEPTHS == FAMILIES["dsplit"]["depth"] == (4, 8, 16)
     # A 2-lane slice (64 bf16 in 8 slices) is illegal for the kernel and the CPU twin alike.
     assert dsplit_violations(KernelConfig.dsplit(8, 16), head_dim=64, elem_bytes=2,
                              num_splits=64) == ["slice_width"]

@@ -44,7 +44,8 @@ constexpr int kKvSplitLoadDepth = 4;   // partials per load round
 // DSplit: CTAs per row, groups per CTA, partials per load round.
 using DsplitSlices = IntList<1, 2, 4, 8, 16>;
 using DsplitKvSplits = IntList<1, 2, 4, 8, 16, 32, 64, 128>;
-using DsplitDepths = IntList<4, 8>;
+using DsplitDepths = IntList<4, 8, 16>;
+constexpr int kDsplitMaxDepth = 16;  // the largest of DsplitDepths: a first round's bound
 constexpr int kBytesPerThread = 16;
 
 // (partial dtype, output dtype) pairs that are compiled: 16-bit partials
@@ -63,7 +64,7 @@ struct KernelConfig {
   Family family = Family::kKvSplit;
   int32_t slices = 1;    // DSplit: CTAs per row
   int32_t kv_split = 1;  // groups per CTA, each merging every kv_split-th partial
-  int32_t depth = kKvSplitLoadDepth;  // DSplit: partials loaded per round, 4 or 8
+  int32_t depth = kKvSplitLoadDepth;  // DSplit: partials loaded per round, 4, 8 or 16
 };
 
 // Why a launch did not happen. `detail` carries the offending value, or the

@@ -41,6 +41,42 @@ __device__ __forceinline__ float unpack(const uint4& packed, int v) {
   }
 }
 
+// kBytes (16, 8 or 4) loaded as one vector, kept as 32-bit words.
+template <int kBytes>
+struct Packed {
+  uint32_t w[kBytes / 4];
+};
+
+template <int kBytes>
+__device__ __forceinline__ Packed<kBytes> load_packed(const void* at) {
+  Packed<kBytes> packed;
+  if constexpr (kBytes == 16) {
+    const uint4 v = __ldg(static_cast<const uint4*>(at));
+    packed.w[0] = v.x, packed.w[1] = v.y, packed.w[2] = v.z, packed.w[3] = v.w;
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = __ldg(static_cast<const uint2*>(at));
+    packed.w[0] = v.x, packed.w[1] = v.y;
+  } else {
+    static_assert(kBytes == 4, "lanes load 16, 8 or 4 bytes");
+    packed.w[0] = __ldg(static_cast<const unsigned int*>(at));
+  }
+  return packed;
+}
+
+template <DType kDType, int kBytes>
+__device__ __forceinline__ float unpack(const Packed<kBytes>& packed, int v) {
+  const uint32_t* words = packed.w;
+  if constexpr (kDType == DType::kFloat32) {
+    return __uint_as_float(words[v]);
+  } else if constexpr (kDType == DType::kBFloat16) {
+    const uint32_t word = words[v / 2];
+    return __uint_as_float(v % 2 ? word & 0xffff0000u : word << 16);
+  } else {
+    const uint32_t word = words[v / 2];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(v % 2 ? word >> 16 : word)));
+  }
+}
+
 template <int kVec, DType kDType>
 __device__ __forceinline__ void store_vec(void* base, int64_t offset, const float (&src)[kVec]) {
   static_assert(kVec % 2 == 0, "stores go in pairs");
@@ -60,8 +96,10 @@ __device__ __forceinline__ void store_vec(void* base, int64_t offset, const floa
   T* dst = static_cast<T*>(base) + offset;
   if constexpr (kVec == 8) {
     *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
-  } else {
+  } else if constexpr (kVec == 4) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = words[0];
   }
 }
 

@@ -19,6 +19,11 @@ constexpr int kDsplitMaxThreads = 512;
 #define KVSPLIT_DSPLIT_ITEMS_PER_CTA 4
 #endif
 constexpr int kDsplitItemsPerCta = KVSPLIT_DSPLIT_ITEMS_PER_CTA;
+// Bytes of a row each lane loads per partial (a benchmarks/lab knob: 16, 8 or 4).
+#ifndef KVSPLIT_DSPLIT_LANE_BYTES
+#define KVSPLIT_DSPLIT_LANE_BYTES 16
+#endif
+constexpr int kDsplitLaneBytes = KVSPLIT_DSPLIT_LANE_BYTES;
 
 // log2 of a power of two, -1 for anything else.
 KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {
@@ -32,8 +37,8 @@ KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {
 // elements), or 0 when that slice is not a power of two of 4..32 vectors.
 KVSPLIT_HOST_DEVICE constexpr int dsplit_lanes(int head_dim, int elem_bytes, int slices) {
   const int row_bytes = head_dim * elem_bytes;
-  if (exact_log2(slices) < 0 || row_bytes % (16 * slices) != 0) return 0;
-  const int lanes = row_bytes / (16 * slices);
+  if (exact_log2(slices) < 0 || row_bytes % (kDsplitLaneBytes * slices) != 0) return 0;
+  const int lanes = row_bytes / (kDsplitLaneBytes * slices);
   return exact_log2(lanes) >= 0 && lanes >= kDsplitMinLanes && lanes <= kDsplitMaxLanes ? lanes : 0;
 }
 

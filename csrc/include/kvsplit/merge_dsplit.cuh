@@ -6,7 +6,7 @@
 // elements, read by a group of `lanes` threads (16 bytes each, 4..32 lanes,
 // so a group never spans warps). An item holds `kv_split` such groups, each
 // merging partials g, g + K, g + 2K, ... with loops of the exact trip count:
-// a group of `count` partials loads them in rounds of up to kDepth (4 or 8),
+// a group of `count` partials loads them in rounds of up to kDepth (4, 8 or 16),
 // the remainder first, so it waits on ceil(count / kDepth) round trips and
 // never loads a padded slot. Groups are combined with warp shuffles first;
 // across warps, every warp parks its total in shared memory and warp 0 folds
@@ -37,11 +37,11 @@ __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, int64_t o_step, int64_t s_step,
                                                   float log2_scale, float empty_stat) {
-  uint4 packed[kDepth];
+  Packed<kDsplitLaneBytes> packed[kDepth];
   float m_in[kDepth], l_in[kDepth];
 #pragma unroll
   for (int u = 0; u < kDepth; ++u) {
-    packed[u] = __ldg(reinterpret_cast<const uint4*>(o + u * o_step));
+    packed[u] = load_packed<kDsplitLaneBytes>(o + u * o_step);
     const float m_raw = __ldg(s + u * s_step);
     m_in[u] = m_raw != empty_stat ? m_raw * log2_scale : neg_inf();
     l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
@@ -86,7 +86,7 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth, bool kPlain>
 __global__ void __launch_bounds__(kDsplitMaxThreads)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
-  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;
   // Each warp of a multi-warp item parks its total (m, l, acc) here for warp 0:
   // [2 + kVec][warps][lanes] floats, sized at launch.
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
 template <DType kPartial, DType kOut, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
                            cudaStream_t stream) {
-  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   const DsplitGeometry geo = make_dsplit_geometry(p.head_dim, elem_bytes<kPartial>(),
                                                   config.slices, config.kv_split, p.rows);
   const int lanes = geo.lanes();

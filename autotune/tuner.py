@@ -54,45 +54,58 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     """The configs worth timing at ``key``: two group counts K around the
     shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
     closest to 128 threads, in 4-deep rounds where a group has at most 4
-    partials and 8-deep ones where it has more. KvSplit K = 1 always stays
-    (at most 7 configs). Besides, every DSplit config whose item is one warp
-    (lanes x K = 32; they run four to a CTA with no barrier) in 8-deep rounds,
-    which beat 4-deep ones at the grid's bf16 decode shapes on the H200 even
-    where a group has at most 4 partials (3-10 %, docs/benchmarks.md; with
-    fp32 partials or N = 4, 4-deep ones won, and are timed where the rule
-    above keeps them): at most 4 more. At the larger K, where its groups
-    hold at most 32 partials, both depths of each of these DSplit configs
-    (at most 3 more): 4-deep rounds won there at D = 512, 300 rows, N = 48
-    and 100 (by 4-6 %, the unseen shapes of benchmarks/bench_dispatch.py).
+    partials, 8-deep ones where it has 5-8 and 16-deep ones past that.
+    KvSplit K = 1 always stays (at most 7 configs). DSplit also at the fewest
+    groups that take a row's partials in one 16-deep round, where that is
+    below both Ks (2 more: at D = 128, 32 rows, N = 264 that round at K = 32
+    was 5 % faster than the best at K = 64 or 128). Besides, every DSplit
+    config whose item is one warp (lanes x K = 32; they run four to a CTA with
+    no barrier) in 8-deep rounds, which beat 4-deep ones at the grid's bf16
+    decode shapes on the H200 even where a group has at most 4 partials (3-10
+    %, docs/benchmarks.md; with fp32 partials or N = 4, 4-deep ones won, and
+    are timed where the rule above keeps them), and past 8 partials a group
+    16-deep as well (at D = 128, 1000 rows, N = 100 the 8-deep P2xK4 was 8 %
+    faster than anything else kept): at most 8 more. At the larger K, where
+    its groups hold at most 32 partials, both the 4-deep and the deep rounds
+    of each of these DSplit configs (at most 3 more): 4-deep rounds won there
+    at D = 512, 300 rows, N = 48 and 100 (by 4-6 %, the unseen shapes of
+    benchmarks/bench_dispatch.py).
 
-    Replayed against the candidates timed for the shipped H200 tables
-    (``benchmarks/replay_pruning.py``, 368 keys), this set loses 0.01 %
-    geomean (worst 1.9 %) to the wider set they were tuned with, which also
-    timed both depths of every deep config and a third K."""
+    The 16-deep round replaced the 8-deep one past 8 partials a group because
+    it beat its 8-deep twin at every config and shape of the DSplit lab there
+    (4-30 %, bf16 partials, LSE stats, 32-2048 rows; docs/kernel-notes.md).
+    Replayed against the wider sets that the earlier H200 tables were tuned
+    with (``benchmarks/replay_pruning.py``), the two-depth form of this rule
+    lost 0.01 % geomean (worst 1.9 %)."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
     ks = {k_hi, k_hi // 2} - {0}
+    # DSplit also at the fewest groups that take a row in one 16-deep round, below those.
+    one_round = 1 << max(0, math.ceil(math.log2(math.ceil(key.num_splits / 16))))
+    dsplit_ks = ks | ({one_round} if one_round < min(ks) else set())
     # Per K, the two slice counts whose CTAs come closest to 128 threads.
     slices = {}
-    for k in ks:
+    for k in dsplit_ks:
         options = sorted({c.slices for c in configs if c.family == "dsplit" and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
         slices[k] = set(options[:2])
-    # At the larger K, groups of at most 32 partials: both depths of what is kept.
+    # At the larger K, groups of at most 32 partials: 4-deep and deep rounds of what is kept.
     both_depths = key.num_splits <= 32 * k_hi
     kept = []
     for c in configs:
-        either_depth = both_depths and c.kv_split == k_hi
-        if c.family == "dsplit" and vectors // c.slices * c.kv_split == 32 and (
-                c.depth == 8 or either_depth):
-            keep = True
-        elif c.family == "kvsplit":
-            keep = c.kv_split == 1 or c.kv_split in ks
+        if c.family == "kvsplit":
+            if c.kv_split == 1 or c.kv_split in ks:
+                kept.append(c)
+            continue
+        per_group = math.ceil(key.num_splits / c.kv_split)
+        deep = 16 if per_group > 8 else 8
+        depths = {4, deep} if both_depths and c.kv_split == k_hi else set()
+        if vectors // c.slices * c.kv_split == 32:  # one-warp items: 8-deep as well past 8
+            keep = c.depth in ({8, deep} | depths)
         else:
-            deep = math.ceil(key.num_splits / c.kv_split) > 4
-            keep = (c.kv_split in ks and c.slices in slices[c.kv_split]
-                    and (either_depth or c.depth == (8 if deep else 4)))
+            keep = (c.kv_split in dsplit_ks and c.slices in slices[c.kv_split]
+                    and (c.depth == (deep if per_group > 4 else 4) or c.depth in depths))
         if keep:
             kept.append(c)
     return kept

@@ -88,7 +88,7 @@ def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
         for k in (1, 2, 4, 8, 16, 32, 64, 128):
             if (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
                     and k <= num_splits and (max_split is None or k <= max_split)):
-                configs += [KernelConfig.dsplit(slices, k, depth) for depth in (4, 8)]
+                configs += [KernelConfig.dsplit(slices, k, depth) for depth in (4, 8, 16)]
     return configs
 
 
@@ -114,22 +114,33 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     pruned = candidates(key, max_split=max_split, is_cuda=is_cuda)
     assert kvsplit_config(1) in pruned and set(pruned) <= set(everything)
     if is_cuda:  # few enough to time within the first-use budget
-        # every one-warp item in 8-deep rounds, and at most 10 others: K = 1 and two Ks
-        # of each family
+        # every one-warp item 8-deep (and 16-deep past 8 partials a group), and at most 12
+        # others: K = 1, two Ks of each family and DSplit at the fewest groups that take a
+        # row in one 16-deep round
+        def deep(c):
+            return 16 if -(-num_splits // c.kv_split) > 8 else 8
+
         one_warp = {c for c in everything if c.family == "dsplit"
-                    and one_warp_item(c, head_dim, dtype) and c.depth == 8}
-        assert len(one_warp) <= 4 and one_warp <= set(pruned)
+                    and one_warp_item(c, head_dim, dtype) and c.depth in (8, deep(c))}
+        assert len(one_warp) <= 8 and one_warp <= set(pruned)
         others = [c for c in pruned if c not in one_warp]
+        one_round = next(k for k in (1 << i for i in range(12)) if k * 16 >= num_splits)
         ks = {c.kv_split for c in others if c.kv_split > 1}
-        assert len(ks) <= 2 and (not ks or max(ks) <= max(1, num_splits // 2))
-        # DSplit in one depth (8-deep where a group has over 4 partials), except at the
-        # larger K where its groups hold at most 32 partials: both depths there.
+        extra = {one_round} if len(ks) == 3 else set()
+        assert len(ks) <= 3 and (not extra or one_round == min(ks))
+        assert all(c.family == "dsplit" and c.depth == 16 for c in others if c.kv_split in extra)
+        ks -= extra
+        assert not ks or max(ks) <= max(1, num_splits // 2)
+        # DSplit in one depth (4-deep up to 4 partials a group, then the deep rounds), except
+        # at the larger K where its groups hold at most 32 partials: 4-deep and deep there.
         k_top = max(c.kv_split for c in others)
         either = {k_top} if num_splits <= 32 * k_top else set()
-        assert all(c.depth == (8 if -(-num_splits // c.kv_split) > 4 else 4)
-                   for c in others if c.family == "dsplit" and c.kv_split not in either)
-        assert len([c for c in others if c.kv_split not in either]) <= 7
-        assert len(others) <= 10
+        dsplit = [c for c in others if c.family == "dsplit"]
+        assert all(c.depth == (deep(c) if -(-num_splits // c.kv_split) > 4 else 4)
+                   for c in dsplit if c.kv_split not in either)
+        assert all(c.depth in (4, deep(c)) for c in dsplit)
+        assert len([c for c in others if c.kv_split not in either]) <= 9
+        assert len(others) <= 12
     else:
         assert pruned == everything
 
@@ -141,15 +152,16 @@ def one_warp_item(config, head_dim, dtype):
 
 @pytest.mark.parametrize("head_dim, rows, num_splits, kept", [
     # (D, rows, N) -> the winners of the shipped H200 table (kvsplit/tables, 2026-12-03,
-    # bf16 maxsum), timed beside the wider candidate set it was tuned with
-    (512, 64, 132, KernelConfig.dsplit(4, 16, 8)),
-    (128, 32, 264, KernelConfig.dsplit(2, 64, 8)),
-    (128, 256, 132, KernelConfig.dsplit(1, 16, 8)),
+    # fourth stop, bf16 maxsum); 16-deep rounds where a group holds 9-16 partials
+    (512, 64, 132, KernelConfig.dsplit(4, 16, 16)),
+    (128, 32, 264, KernelConfig.dsplit(2, 32, 16)),  # K = 32: the one-round K
+    (128, 256, 132, KernelConfig.dsplit(1, 16, 16)),
     (512, 512, 132, kvsplit_config(4)),
     (512, 2048, 16, kvsplit_config(1)),
     (128, 2048, 32, kvsplit_config(2)),
     (512, 64, 16, KernelConfig.dsplit(8, 4, 8)),  # one-warp items
     (128, 32, 32, KernelConfig.dsplit(4, 8, 8)),
+    (512, 64, 64, KernelConfig.dsplit(4, 16, 4)),  # 4-deep at the larger K
 ])
 def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
     key = TuningKey(device=DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132),
@@ -157,7 +169,7 @@ def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
                     out_dtype="bfloat16", stats_format="maxsum", num_splits=num_splits, rows=rows)
     pruned = candidates(key)
     assert kept in pruned
-    assert len(pruned) <= 14 and len(pruned) <= len(candidates(key, pruned=False)) / 2
+    assert len(pruned) <= 18 and len(pruned) <= len(candidates(key, pruned=False)) / 2
 
 
 # -- the winner rule --------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     decode shapes on the H200 even where a group has at most 4 partials (3-10
     %, docs/benchmarks.md; with fp32 partials or N = 4, 4-deep ones won, and
     are timed where the rule above keeps them), and past 8 partials a group
-    16-deep as well (at D = 128, 1000 rows, N = 100 the 8-deep P2xK4 was 8 %
+    16-deep as well (at D = 128, 1000 rows, N = 100 the 8-deep P2xK4 was 5-8 %
     faster than anything else kept): at most 8 more. At the larger K, where
     its groups hold at most 32 partials, both the 4-deep and the deep rounds
     of each of these DSplit configs (at most 3 more): 4-deep rounds won there
@@ -159,7 +159,7 @@ class _Scratch:
         return _kernel.run(plan, o, stats, out, 1.0)
 
 
-_REPLAY_US = 120.0  # a replay's target length on a GPU
+_REPLAY_US = 80.0  # a replay's target length on a GPU (120 put N = 200 keys at 51-53 ms)
 
 
 def _partial_bytes(key) -> int:

@@ -42,15 +42,15 @@ VARIANTS = {
     "pack2": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=2",
     "pack8": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=8",
     "pack16": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=16",
-    "lane8": "-DKVSPLIT_DSPLIT_LANE_BYTES=8",  # 8 bytes of a row per lane and partial
-    "lane4": "-DKVSPLIT_DSPLIT_LANE_BYTES=4",
 }
+# Variants whose lanes load fewer bytes of a row per partial than the product's 16.
+LANE_BYTES = {"lane8": 8, "lane4": 4}
+VARIANTS.update({name: f"-DKVSPLIT_DSPLIT_LANE_BYTES={b}" for name, b in LANE_BYTES.items()})
 
 
 def lane_bytes(variant: str) -> int:
     """Bytes each lane loads per partial in ``variant`` (the product: 16)."""
-    flag = "-DKVSPLIT_DSPLIT_LANE_BYTES="
-    return int(VARIANTS[variant].split(flag)[1]) if flag in VARIANTS[variant] else 16
+    return LANE_BYTES.get(variant, 16)
 SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
 SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
           (512, 64, 64), (128, 32, 264), (512, 64, 132), (512, 128, 16), (512, 2048, 16),

@@ -104,12 +104,14 @@ def test_many_groups_per_cta(device, fmt, dtypes, head_dim, slices, merge_kit, c
     assert configs and chosen_kv_split == configs
 
 
+@pytest.mark.parametrize("with_counts", [True, False], ids=["split-counts", "plain"])
 @pytest.mark.parametrize("depth", [4, 8, 16])
 @pytest.mark.parametrize("kv_split", [4, 8])
-def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, merge_kit,
+def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, with_counts, merge_kit,
                                                  chosen_kv_split, monkeypatch):
     """Groups of 1..depth + 2 partials (a first round of every size 1..depth, then full
-    rounds), some rows empty."""
+    rounds), some rows empty; with split counts, and without them (the plain kernel with
+    32-bit offsets)."""
     head_dim, config = 128, KernelConfig.dsplit(2, kv_split, depth)
     counts = range(kv_split, kv_split * (depth + 1) + 2)
     for num_splits in counts:
@@ -118,14 +120,40 @@ def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, merge_
                                               gen)
         split_counts = torch.randint(0, num_splits + 1, (12,), generator=gen, dtype=torch.int32)
         split_counts[0] = 0
+        if not with_counts:
+            split_counts = None
         scale = merge_kit.scale_log2(gen)
         pin(monkeypatch, config)
-        out, out_stats = merge_kit.merge("maxsum", partial_o.to(device), stats.to(device),
-                                         scale=scale, split_counts=split_counts.to(device))
+        out, out_stats = merge_kit.merge(
+            "maxsum", partial_o.to(device), stats.to(device), scale=scale,
+            split_counts=None if split_counts is None else split_counts.to(device))
         merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
             "maxsum", partial_o, stats, scale=scale, split_counts=split_counts))
-        assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
+        if with_counts:
+            assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
     assert chosen_kv_split == [config] * len(counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [KernelConfig.dsplit(2, 4, 16), KernelConfig.dsplit(1, 2, 8)],
+                         ids=["8lanes-16deep", "16lanes-8deep"])
+def test_offsets_past_2_to_the_30_take_64_bit_addressing(cuda_device, config, merge_kit,
+                                                         chosen_kv_split, monkeypatch):
+    """Partials 2^29 elements apart (4 GiB of bf16 in all): the last split's offset, 2^31,
+    would wrap in the plain kernel's 32 bits, so the call takes the 64-bit kernel."""
+    num_splits, rows, head_dim = 5, 8, 128
+    gen = merge_kit.generator("offsets", str(config))
+    partial_o, stats = merge_kit.partials("lse2", num_splits, rows, head_dim, torch.bfloat16,
+                                          gen)
+    split_stride = 1 << 29
+    storage = torch.empty((num_splits - 1) * split_stride + rows * head_dim,
+                          dtype=torch.bfloat16, device=cuda_device)
+    spread = storage.as_strided((num_splits, rows, head_dim), (split_stride, head_dim, 1))
+    spread.copy_(partial_o)
+    pin(monkeypatch, config)
+    out, lse = merge_kit.merge("lse2", spread, stats.to(cuda_device))
+    merge_kit.assert_matches_reference(out, lse, *merge_kit.reference("lse2", partial_o, stats))
+    assert chosen_kv_split == [config]
 
 
 def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split, monkeypatch):

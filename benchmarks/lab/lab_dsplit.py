@@ -42,6 +42,10 @@ VARIANTS = {
     "pack2": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=2",
     "pack8": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=8",
     "pack16": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=16",
+    # the kernel before the lean math and 32-bit offsets (compare-and-select max, a test
+    # per weight, IEEE divide and log2f, 64-bit offsets), and each change apart
+    "classic": "-DKVSPLIT_LEAN_MATH=0 -DKVSPLIT_DSPLIT_INDEX32=0",
+    "index64": "-DKVSPLIT_DSPLIT_INDEX32=0",
 }
 # Variants whose lanes load fewer bytes of a row per partial than the product's 16.
 LANE_BYTES = {"lane8": 8, "lane4": 4}

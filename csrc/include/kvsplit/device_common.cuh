@@ -25,22 +25,6 @@ constexpr int elem_bytes() {
   return elem_bytes(kDType);
 }
 
-// Element v of 16 packed bytes, as float. `v` is a compile-time constant after
-// unrolling, so the word index never sends `packed` to local memory.
-template <DType kDType>
-__device__ __forceinline__ float unpack(const uint4& packed, int v) {
-  const uint32_t* words = &packed.x;
-  if constexpr (kDType == DType::kFloat32) {
-    return __uint_as_float(words[v]);
-  } else if constexpr (kDType == DType::kBFloat16) {
-    const uint32_t word = words[v / 2];
-    return __uint_as_float(v % 2 ? word & 0xffff0000u : word << 16);
-  } else {
-    const uint32_t word = words[v / 2];
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(v % 2 ? word >> 16 : word)));
-  }
-}
-
 // kBytes (16, 8 or 4) loaded as one vector, kept as 32-bit words.
 template <int kBytes>
 struct Packed {
@@ -63,6 +47,8 @@ __device__ __forceinline__ Packed<kBytes> load_packed(const void* at) {
   return packed;
 }
 
+// Element v of a Packed, as float. `v` is a compile-time constant after
+// unrolling, so the word index never sends `packed` to local memory.
 template <DType kDType, int kBytes>
 __device__ __forceinline__ float unpack(const Packed<kBytes>& packed, int v) {
   const uint32_t* words = packed.w;

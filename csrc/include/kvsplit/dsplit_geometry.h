@@ -24,6 +24,10 @@ constexpr int kDsplitItemsPerCta = KVSPLIT_DSPLIT_ITEMS_PER_CTA;
 #define KVSPLIT_DSPLIT_LANE_BYTES 16
 #endif
 constexpr int kDsplitLaneBytes = KVSPLIT_DSPLIT_LANE_BYTES;
+// The plain kernel's element offsets in 32 bits (a benchmarks/lab knob: 0 keeps 64).
+#ifndef KVSPLIT_DSPLIT_INDEX32
+#define KVSPLIT_DSPLIT_INDEX32 1
+#endif
 
 // log2 of a power of two, -1 for anything else.
 KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {

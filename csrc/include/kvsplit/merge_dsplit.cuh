@@ -22,6 +22,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <type_traits>
 
 #include "kvsplit/device_common.cuh"
 #include "kvsplit/dispatch.h"
@@ -32,10 +34,10 @@
 namespace kvsplit {
 
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
-template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
+template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec, typename Index>
 __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                                                   const typename CudaType<kPartial>::type* o,
-                                                  const float* s, int64_t o_step, int64_t s_step,
+                                                  const float* s, Index o_step, Index s_step,
                                                   float log2_scale, float empty_stat) {
   Packed<kDsplitLaneBytes> packed[kDepth];
   float m_in[kDepth], l_in[kDepth];
@@ -61,10 +63,10 @@ __device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int of
 
 // The first round of a group: its `first` (1..kDepth) partials, one template
 // case each so that every load is issued before the first use.
-template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec>
+template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec, typename Index>
 __device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
                                                   const typename CudaType<kPartial>::type* o,
-                                                  const float* s, int64_t o_step, int64_t s_step,
+                                                  const float* s, Index o_step, Index s_step,
                                                   float log2_scale, float empty_stat) {
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
     merge_exact_batch<kCount, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale,
@@ -81,13 +83,15 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
-// kPlain: flat rows, no row mask and no split counts (the launcher checks), so
-// nothing stands between the row index and the first load.
+// kPlain: flat rows, no row mask, no split counts and element offsets of 32
+// bits (dsplit_plain checks), so nothing stands between the row index and the
+// first load, and a load's address is one multiply-add.
 template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth, bool kPlain>
 __global__ void __launch_bounds__(kDsplitMaxThreads)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;
+  using Index = std::conditional_t<kPlain && KVSPLIT_DSPLIT_INDEX32, int32_t, int64_t>;
   // Each warp of a multi-warp item parks its total (m, l, acc) here for warp 0:
   // [2 + kVec][warps][lanes] floats, sized at launch.
   extern __shared__ float parked[];
@@ -104,10 +108,11 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
   const int per_cta = 1 << geo.items_per_cta_log2;
 
   pdl_wait();
-  for (int64_t item = int64_t{blockIdx.x} * per_cta + (threadIdx.x >> (geo.lanes_log2 +
-                                                                        geo.kv_split_log2));
-       item < geo.items; item += int64_t{gridDim.x} * per_cta) {
-    const int64_t row = item >> geo.slices_log2;
+  const auto items = static_cast<Index>(geo.items);
+  for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
+                                                                         geo.kv_split_log2));
+       item < items; item += Index(gridDim.x) * per_cta) {
+    const Index row = item >> geo.slices_log2;
     RowIndex at;
     if constexpr (kPlain) {
       at.head = row;
@@ -127,11 +132,14 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
     if (group < num_splits) {
       const int count = ((num_splits - group - 1) >> geo.kv_split_log2) + 1;
       const int first = count - (count - 1) / kDepth * kDepth;  // 1..kDepth
-      const Partial* o = static_cast<const Partial*>(p.partial_o) + group * p.o_stride_split +
-                         p.o_row.at(at) + col;
-      const float* s = p.stats + group * p.stats_stride_split + p.stats_row.at(at);
-      const int64_t o_step = kv_split * p.o_stride_split;
-      const int64_t s_step = kv_split * p.stats_stride_split;
+      // Flat rows: row r of a tensor starts at r * its row stride.
+      const Index o_row = kPlain ? row * Index(p.o_row.head) : Index(p.o_row.at(at));
+      const Index s_row = kPlain ? row * Index(p.stats_row.head) : Index(p.stats_row.at(at));
+      const Partial* o = static_cast<const Partial*>(p.partial_o) +
+                         (group * Index(p.o_stride_split) + o_row + col);
+      const float* s = p.stats + (group * Index(p.stats_stride_split) + s_row);
+      const Index o_step = kv_split * Index(p.o_stride_split);
+      const Index s_step = kv_split * Index(p.stats_stride_split);
       merge_first_round<kDepth, kPartial, kFormat>(state, first, o, s, o_step, s_step,
                                                    p.log2_scale, p.empty_stat);
       o += first * o_step;
@@ -175,6 +183,21 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
   }
 }
 
+// Whether a call takes the plain kernel: flat rows, no mask, no split counts,
+// and every element offset it forms (rows, splits and a round's step past the
+// last split) below 2^30.
+inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
+  if (!p.flat_rows || p.row_mask != nullptr || p.split_counts != nullptr) return false;
+  constexpr int64_t kLimit = int64_t{1} << 30;
+  const int64_t splits =
+      p.num_splits + int64_t{kDsplitMaxDepth} * (int64_t{1} << geo.kv_split_log2);
+  const auto span = [&](int64_t split_stride, int64_t row_stride, int64_t width) {
+    return splits * std::llabs(split_stride) + p.rows * std::llabs(row_stride) + width;
+  };
+  return geo.items < kLimit && span(p.o_stride_split, p.o_row.head, p.head_dim) < kLimit &&
+         span(p.stats_stride_split, p.stats_row.head, 2) < kLimit;
+}
+
 // Launches a checked DSplit config (check_config) on rows > 0.
 template <DType kPartial, DType kOut, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
@@ -192,7 +215,7 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
                    warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
   Status status;
   cudaError_t error = cudaSuccess;
-  const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr;
+  const bool plain = dsplit_plain(p, geo);
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
     error = plain ? cudaLaunchKernelEx(&launch.config,
                                        dsplit_kernel<kPartial, kOut, kFormat, kDepth, true>, p, geo)

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
       // are issued before the first use.
       auto merge_round = [&](auto tail, int j0) {
         constexpr bool kTail = decltype(tail)::value;
-        uint4 packed[kLoadUnroll];
+        Packed<kBytesPerThread> packed[kLoadUnroll];
         float m_in[kLoadUnroll], l_in[kLoadUnroll];
         // Slot u of this round: u itself, or the group's last partial once
         // past the end (tail rounds only).
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 #pragma unroll
           for (int u = 0; u < kLoadUnroll; ++u) {
             if constexpr (kTail) o_ptr = o_cursor + slot(u) * o_step;
-            packed[u] = __ldg(reinterpret_cast<const uint4*>(o_ptr));
+            packed[u] = load_packed<kBytesPerThread>(o_ptr);
             if constexpr (!kTail) o_ptr += o_step;
           }
         }

@@ -18,6 +18,10 @@ namespace kvsplit {
 constexpr float kLog2E = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+#ifndef KVSPLIT_LEAN_MATH
+#define KVSPLIT_LEAN_MATH 1
+#endif
+
 KVSPLIT_HD float neg_inf() { return -INFINITY; }
 
 KVSPLIT_HD float fast_exp2(float x) {
@@ -33,9 +37,39 @@ KVSPLIT_HD float fast_exp2(float x) {
 #endif
 }
 
-// max that lets a NaN in `b` through, so that a NaN stat poisons its row
-// instead of being silently dropped (fmaxf would drop it).
-KVSPLIT_HD float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
+// a / b and log2(x) for a row's last step. On the GPU: MUFU.RCP and MUFU.LG2
+// (relative error about 2^-22), not the IEEE division and log2f sequences.
+KVSPLIT_HD float fast_divide(float a, float b) {
+#if defined(__CUDA_ARCH__) && KVSPLIT_LEAN_MATH
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
+}
+KVSPLIT_HD float fast_log2(float x) {
+#if defined(__CUDA_ARCH__) && KVSPLIT_LEAN_MATH
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#elif defined(__CUDA_ARCH__)
+  return log2f(x);
+#else
+  return std::log2(x);
+#endif
+}
+
+// max that lets a NaN through, so that a NaN stat poisons its row instead of
+// being silently dropped (fmaxf would drop it). On the GPU one FMNMX.NAN; the
+// compare-and-select form took four instructions a partial.
+KVSPLIT_HD float max_keep_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && KVSPLIT_LEAN_MATH
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+#else
+  return (b > a || b != b) ? b : a;
+#endif
+}
 
 // Weight of a state with maximum `m` once the running maximum is `m_new`.
 // An empty state (m = -inf) weighs exactly 0, even when m_new is -inf too,
@@ -43,6 +77,11 @@ KVSPLIT_HD float max_keep_nan(float a, float b) { return (b > a || b != b) ? b :
 KVSPLIT_HD float rescale_weight(float m, float m_new) {
   return m == neg_inf() ? 0.f : fast_exp2(m - m_new);
 }
+
+// The running max as the exponent's offset: 0 while every state is empty, so
+// that 2^(m - offset) is 2^-inf = 0 for an empty m without a test per partial
+// (-inf - -inf would be NaN).
+KVSPLIT_HD float weight_offset(float m_new) { return m_new == neg_inf() ? 0.f : m_new; }
 
 template <int kVec>
 struct MergeState {
@@ -72,9 +111,16 @@ struct MergeState {
     l *= alpha;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] *= alpha;
+#if KVSPLIT_LEAN_MATH
+    const float offset = weight_offset(m_new);
+#endif
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
+#if KVSPLIT_LEAN_MATH
+      const float w = fast_exp2(m_in[j] - offset);
+#else
       const float w = rescale_weight(m_in[j], m_new);
+#endif
       l += w * l_in[j];
 #pragma unroll
       for (int v = 0; v < kVec; ++v) acc[v] += w * o_at(j, v);
@@ -113,14 +159,10 @@ struct MergeState {
     const float top = max_keep_nan(m, sink_log2);
     const float own = fast_exp2(m - top);  // 1 unless the sink dominates
     const float total_top = l * own + rescale_weight(sink_log2, top);
-    const float scale = own / total_top;
+    const float scale = fast_divide(own, total_top);
 #pragma unroll
     for (int v = 0; v < kVec; ++v) out[v] = acc[v] * scale;
-#if defined(__CUDA_ARCH__)
-    log2_total = top + log2f(total_top);
-#else
-    log2_total = top + std::log2(total_top);
-#endif
+    log2_total = top + fast_log2(total_top);
     return l + rescale_weight(sink_log2, m);
   }
 };

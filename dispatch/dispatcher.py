@@ -328,7 +328,10 @@ class Dispatcher:
                               f"{fallback.label}", RuntimeWarning, stacklevel=2)
                 return Decision(constrained(fallback), "heuristic", key)
             table[key.choice_key] = record.winner
-            self._open_store(db_url).upsert(record)
+            store = self._open_store(db_url)
+            before = self._generations.get((facts, key.build_hash, db_url))
+            store.upsert(record)
+            self._own_write(store, db_url, before)
             pending_keys.discard(key)
             log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
             return Decision(constrained(record.winner), "tuned", key, record)
@@ -357,6 +360,21 @@ class Dispatcher:
                 if not store.in_memory:
                     self._refresher.start()
             return table
+
+    def _own_write(self, store, url: str | None, before) -> None:
+        """After this process stored one record: the tables that were current before it stay
+        current, so that the next miss does not reload a whole table for a row this process
+        already holds (40 ms at a few hundred rows). Only when the counter moved by exactly
+        one, i.e. no other writer came in between; otherwise the next check reloads."""
+        if store.in_memory or not (before is None or type(before) is int):
+            return
+        after = store.generation()
+        if after != (1 if before is None else before + 1):
+            return
+        with self._lock:
+            for table_key, generation in self._generations.items():
+                if table_key[2] == url and generation == before:
+                    self._generations[table_key] = after
 
     def refresh(self) -> bool:
         """Reload the cached tables if the database changed since they were read; whether any did.

@@ -1,9 +1,10 @@
 """Why a first-use tuning and bench_dispatch disagree on a shape (a diagnostic).
 
-    python -P benchmarks/lab/tie.py [--out DIR]
+    python -P benchmarks/lab/tie.py [--out DIR] [--shape D ROWS N ...] [--pair A B]
 
-For D = 128, 1000 rows, N = 48 and 100 (bf16, maxsum): the tuner's own
-timings of KvSplit K = 4 and DSplit P2xK4d8 over five fresh tunings, and the
+For each shape (default: D = 128, 1000 rows, N = 48 and 100; bf16, maxsum):
+the tuner's own timings of a pair of configs (default KvSplit K4 and DSplit
+P2xK4d8; labels as the database writes them) over five fresh tunings, and the
 same two configs timed as bench_dispatch times them (every valid config
 replayed in turns, 32 launches a graph) and with the tuner's batch.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
 
 import torch
@@ -21,45 +23,55 @@ from kvsplit.autotune import timing, tuner
 from kvsplit.db import DeviceInfo, KernelConfig, TuningKey
 from kvsplit.dispatch.constraints import configs_for_key, kvsplit_config, valid_configs
 
-PAIR = (kvsplit_config(4), KernelConfig.dsplit(2, 4, 8))
+def config(label: str) -> KernelConfig:
+    """K4 -> KvSplit K = 4; P2xK4d8 -> DSplit slices 2, kv_split 4, depth 8."""
+    if match := re.fullmatch(r"K(\d+)", label):
+        return kvsplit_config(int(match[1]))
+    slices, kv_split, depth = map(int, re.fullmatch(r"P(\d+)xK(\d+)d(\d+)", label).groups())
+    return KernelConfig.dsplit(slices, kv_split, depth)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
+    parser.add_argument("--shape", type=int, nargs=3, action="append", metavar=("D", "ROWS", "N"))
+    parser.add_argument("--pair", nargs=2, default=["K4", "P2xK4d8"])
     args = parser.parse_args()
+    pair = tuple(map(config, args.pair))
     timing.spin_up_gpu()
     lines = []
-    for num_splits in (48, 100):
+    for head_dim, rows, num_splits in args.shape or [(128, 1000, 48), (128, 1000, 100)]:
         key = TuningKey(device=DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0,
                                           sm_count=132),
-                        build_hash="b", head_dim=128, partial_dtype="bfloat16",
+                        build_hash="b", head_dim=head_dim, partial_dtype="bfloat16",
                         out_dtype="bfloat16", stats_format="maxsum", num_splits=num_splits,
-                        rows=1000)
+                        rows=rows)
         device = torch.device("cuda", 0)
         for attempt in range(5):
             record = tuner.tune(key, device, configs_for_key(key, is_cuda=True))
             got = {c.config: c.median_us for c in record.candidates}
-            lines.append(f"N {num_splits} tune {attempt}: winner {record.winner.label}; "
-                         + ", ".join(f"{c.label} {got.get(c, float('nan')):.2f}" for c in PAIR)
+            lines.append(f"{head_dim}/{rows}/{num_splits} tune {attempt}: winner "
+                         f"{record.winner.label}; "
+                         + ", ".join(f"{c.label} {got.get(c, float('nan')):.2f}" for c in pair)
                          + f"; best timed {min(got.values()):.2f} of {len(got)}")
             print(lines[-1], flush=True)
         g = torch.Generator().manual_seed(1)
-        m = torch.randn(num_splits, 1000, generator=g) * 2
-        l = 1 + 64 * torch.rand(num_splits, 1000, generator=g)
-        o = (torch.randn(num_splits, 1000, 128, generator=g) * l.unsqueeze(-1)).cuda().bfloat16()
+        m = torch.randn(num_splits, rows, generator=g) * 2
+        l = 1 + 64 * torch.rand(num_splits, rows, generator=g)
+        o = (torch.randn(num_splits, rows, head_dim, generator=g)
+             * l.unsqueeze(-1)).cuda().bfloat16()
         stats = torch.stack([m, l], -1).cuda()
-        out = torch.empty(1000, 128, dtype=torch.bfloat16, device="cuda")
-        configs = valid_configs(head_dim=128, elem_bytes=2, rows=1000, num_splits=num_splits,
-                                sm_count=132)
+        out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
+        configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
+                                num_splits=num_splits, sm_count=132)
         for label, chosen, batch in (("all configs, batch 32", configs, 32),
-                                     ("the pair, batch 32", list(PAIR), 32),
-                                     ("the pair, batch 8", list(PAIR), 8)):
+                                     ("the pair, batch 32", list(pair), 32),
+                                     ("the pair, batch 8", list(pair), 8)):
             times = timing.time_cuda_graphs({c: (lambda i, c=c: _kernel.launch(
                 c, merge.MAXSUM, o, stats, out, 0.1, merge._LN2)) for c in chosen},
                 batch=batch, replays=15)
-            lines.append(f"N {num_splits} {label}: " + ", ".join(
-                f"{c.label} {times[c].median_us:.2f}" for c in PAIR))
+            lines.append(f"{head_dim}/{rows}/{num_splits} {label}: " + ", ".join(
+                f"{c.label} {times[c].median_us:.2f}" for c in pair))
             print(lines[-1], flush=True)
     (args.out / "tie.txt").write_text("\n".join(lines) + "\n")
     return 0

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from kvsplit.db.store import Store
 from kvsplit.dispatch import InvalidSetting
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch.refresh import DEFAULT_REFRESH_S, refresh_interval
@@ -63,6 +64,25 @@ def test_a_miss_looks_for_new_winners_before_it_profiles(call, isolated, keys, t
     keys.store_winner(isolated.url, keys.key_for(64, 32, 8), 8)  # the fleet tuned another shape
     k, decision = call(num_splits=32, rows=8)
     assert (k, decision.source) == (8, "database") and len(tuner_calls.keys) == 1
+
+
+def test_a_process_own_writes_do_not_reload_its_tables(monkeypatch, call, isolated, keys, tuner_calls,
+                                                      refresh_s):
+    """First use of one shape after another: each miss checks the counter, and only another
+    process's write (not this one's own) reads the table again."""
+    refresh_s(3600)
+    loads = []
+    real_load = Store.load_choices
+    monkeypatch.setattr(Store, "load_choices",
+                        lambda self, *args: (loads.append(args), real_load(self, *args))[1])
+    call(num_splits=16, rows=8)  # loads the (empty) table, then tunes and stores
+    call(num_splits=32, rows=8)
+    call(num_splits=64, rows=8)
+    assert len(tuner_calls.keys) == 3 and len(loads) == 1
+    keys.store_winner(isolated.url, keys.key_for(64, 16, 16), 2)  # another process
+    k, decision = call(num_splits=16, rows=16)
+    assert (k, decision.source) == (2, "database") and len(loads) == 2
+    assert len(tuner_calls.keys) == 3
 
 
 def test_with_refreshing_off_a_miss_does_not_look(monkeypatch, call, isolated, keys, refresh_s):

@@ -54,29 +54,27 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     """The configs worth timing at ``key``: two group counts K around the
     shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
     closest to 128 threads, in 4-deep rounds where a group has at most 4
-    partials, 8-deep ones where it has 5-8 and 16-deep ones past that.
-    KvSplit K = 1 always stays (at most 7 configs). DSplit also at the fewest
-    groups that take a row's partials in one 16-deep round, where that is
-    below both Ks (2 more: at D = 128, 32 rows, N = 264 that round at K = 32
-    was 5 % faster than the best at K = 64 or 128). Besides, every DSplit
-    config whose item is one warp (lanes x K = 32; they run four to a CTA with
-    no barrier) in 8-deep rounds, which beat 4-deep ones at the grid's bf16
-    decode shapes on the H200 even where a group has at most 4 partials (3-10
-    %, docs/benchmarks.md; with fp32 partials or N = 4, 4-deep ones won, and
-    are timed where the rule above keeps them), and past 8 partials a group
-    16-deep as well (at D = 128, 1000 rows, N = 100 the 8-deep P2xK4 was 5-8 %
-    faster than anything else kept): at most 8 more. At the larger K, where
-    its groups hold at most 32 partials, both the 4-deep and the deep rounds
-    of each of these DSplit configs (at most 3 more): 4-deep rounds won there
-    at D = 512, 300 rows, N = 48 and 100 (by 4-6 %, the unseen shapes of
-    benchmarks/bench_dispatch.py).
+    partials, 8-deep ones where it has 5-8, and both 8- and 16-deep ones past
+    that. KvSplit K = 1 always stays. DSplit also at the fewest groups that
+    take a row's partials in one 16-deep round, where that is below both Ks
+    (at D = 128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at
+    K = 64 or 128). Besides, every DSplit config whose item is one warp (lanes
+    x K = 32; they run four to a CTA with no barrier) in 8-deep rounds, which
+    beat 4-deep ones at the grid's bf16 decode shapes on the H200 even where a
+    group has at most 4 partials (3-10 %, docs/benchmarks.md; with fp32
+    partials or N = 4, 4-deep ones won, and are timed where the rule above
+    keeps them), and past 8 partials a group 16-deep as well. At the larger K,
+    where its groups hold at most 32 partials, 4-deep rounds too for each of
+    these DSplit configs: they won there at D = 512, 300 rows, N = 48 and 100
+    (by 4-6 %, the unseen shapes of benchmarks/bench_dispatch.py). Median 15
+    candidates a key, at most 22, over the H200 grid and those unseen shapes.
 
-    The 16-deep round replaced the 8-deep one past 8 partials a group because
-    it beat its 8-deep twin at every config and shape of the DSplit lab there
-    (4-30 %, bf16 partials, LSE stats, 32-2048 rows; docs/kernel-notes.md).
-    Replayed against the wider sets that the earlier H200 tables were tuned
-    with (``benchmarks/replay_pruning.py``), the two-depth form of this rule
-    lost 0.01 % geomean (worst 1.9 %)."""
+    Past 8 partials a group both depths stay because the lean merge math
+    (build 5a8ee5bd092ad305) made the 8-deep round the faster one at several
+    shapes where the 16-deep one had won before: at 512/64/132 P4xK16 3.94
+    against 4.06 us, at 128/256/264 P1xK16 5.02 against 5.30 (bench_peers,
+    docs/benchmarks.md); before it, 16-deep beat its 8-deep twin at every
+    config and shape of the DSplit lab (docs/kernel-notes.md)."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
@@ -99,13 +97,13 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
                 kept.append(c)
             continue
         per_group = math.ceil(key.num_splits / c.kv_split)
-        deep = 16 if per_group > 8 else 8
-        depths = {4, deep} if both_depths and c.kv_split == k_hi else set()
-        if vectors // c.slices * c.kv_split == 32:  # one-warp items: 8-deep as well past 8
-            keep = c.depth in ({8, deep} | depths)
+        deep = {8, 16} if per_group > 8 else {8}
+        depths = {4} | deep if both_depths and c.kv_split == k_hi else set()
+        if vectors // c.slices * c.kv_split == 32:  # one-warp items: 8-deep even at <= 4
+            keep = c.depth in (deep | depths)
         else:
             keep = (c.kv_split in dsplit_ks and c.slices in slices[c.kv_split]
-                    and (c.depth == (deep if per_group > 4 else 4) or c.depth in depths))
+                    and c.depth in ((deep if per_group > 4 else {4}) | depths))
         if keep:
             kept.append(c)
     return kept

@@ -42,8 +42,8 @@ def test_the_shipped_tables_replay_within_the_documented_regret():
     """The rule in autotune/tuner.py, against what the shipped tables timed (docstring figures)."""
     records = [r for path in sorted(SHIPPED.parent.glob("*.json")) for r in read_export(path)]
     result = replay_pruning.replay(records)
-    # The tables predate the rule's 8-deep one-warp items past 8 partials a group: those
-    # candidates were never timed, and the replay judges the rule by the ones that were.
+    # Candidates a table never timed (none, for tables tuned with the present rule) are
+    # unknown; the replay judges the rule by the ones that were timed.
     assert result["records"] == len(records) and result["unknown"] < sum(result["kept"]) / 4
-    assert max(result["kept"]) <= 18
+    assert max(result["kept"]) <= 22
     assert max(result["regrets"]) < 0.02

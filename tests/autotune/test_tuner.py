@@ -154,16 +154,17 @@ def one_warp_item(config, head_dim, dtype):
 
 @pytest.mark.parametrize("head_dim, rows, num_splits, kept", [
     # (D, rows, N) -> the winners of the shipped H200 table (kvsplit/tables, 2026-12-03,
-    # fourth stop, bf16 maxsum); 16-deep rounds where a group holds 9-16 partials
-    (512, 64, 132, KernelConfig.dsplit(4, 16, 16)),
+    # fifth stop, build 5a8ee5bd092ad305, bf16 maxsum)
+    (512, 64, 132, KernelConfig.dsplit(4, 16, 16)),  # 16-deep: 9 partials a group
+    (128, 256, 264, KernelConfig.dsplit(1, 16, 8)),  # 8-deep past 8 partials a group
+    (512, 64, 264, KernelConfig.dsplit(4, 16, 8)),
     (128, 32, 264, KernelConfig.dsplit(2, 32, 16)),  # K = 32: the one-round K
-    (128, 256, 132, KernelConfig.dsplit(1, 16, 16)),
     (512, 512, 132, kvsplit_config(4)),
     (512, 2048, 16, kvsplit_config(1)),
     (128, 2048, 32, kvsplit_config(2)),
     (512, 64, 16, KernelConfig.dsplit(8, 4, 8)),  # one-warp items
     (128, 32, 32, KernelConfig.dsplit(4, 8, 8)),
-    (512, 64, 64, KernelConfig.dsplit(4, 16, 4)),  # 4-deep at the larger K
+    (128, 32, 64, KernelConfig.dsplit(2, 16, 4)),  # 4-deep at the larger K
 ])
 def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
     key = TuningKey(device=DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132),

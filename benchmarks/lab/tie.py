@@ -1,19 +1,19 @@
 """Why a first-use tuning and bench_dispatch disagree on a shape (a diagnostic).
 
-    python -P benchmarks/lab/tie.py [--out DIR] [--shape D ROWS N ...] [--pair A B]
+    python -P benchmarks/lab/tie.py [--out DIR] [--shape D ROWS N ...] [--pair MODE MODE]
 
 For each shape (default: D = 128, 1000 rows, N = 48 and 100; bf16, maxsum):
 the tuner's own timings of a pair of configs (default KvSplit K4 and DSplit
-P2xK4d8; labels as the database writes them) over five fresh tunings, and the
-same two configs timed as bench_dispatch times them (every valid config
-replayed in turns, 32 launches a graph) and with the tuner's batch.
+P2xK4d8, spelled as KVSPLIT_MODE spells a fixed config: 4 and dsplit:2:4:8)
+over five fresh tunings, and the same two configs timed as bench_dispatch
+times them (every valid config replayed in turns, 32 launches a graph) and
+with the tuner's batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
-import re
 import sys
 
 import torch
@@ -21,21 +21,24 @@ import torch
 from kvsplit import _kernel, merge
 from kvsplit.autotune import timing, tuner
 from kvsplit.db import DeviceInfo, KernelConfig, TuningKey
-from kvsplit.dispatch.constraints import configs_for_key, kvsplit_config, valid_configs
+from kvsplit.dispatch.constraints import configs_for_key, valid_configs
+from kvsplit.dispatch.dispatcher import _fixed_config
 
-def config(label: str) -> KernelConfig:
-    """K4 -> KvSplit K = 4; P2xK4d8 -> DSplit slices 2, kv_split 4, depth 8."""
-    if match := re.fullmatch(r"K(\d+)", label):
-        return kvsplit_config(int(match[1]))
-    slices, kv_split, depth = map(int, re.fullmatch(r"P(\d+)xK(\d+)d(\d+)", label).groups())
-    return KernelConfig.dsplit(slices, kv_split, depth)
+
+def config(mode: str) -> KernelConfig:
+    """The config a fixed KVSPLIT_MODE names (the dispatcher's own parser)."""
+    fixed = _fixed_config(mode)
+    if fixed is None:
+        raise SystemExit(f"tie.py: --pair takes KVSPLIT_MODE configs (4, dsplit:2:4:8), "
+                         f"not {mode!r}")
+    return fixed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
     parser.add_argument("--shape", type=int, nargs=3, action="append", metavar=("D", "ROWS", "N"))
-    parser.add_argument("--pair", nargs=2, default=["K4", "P2xK4d8"])
+    parser.add_argument("--pair", nargs=2, default=["4", "dsplit:2:4:8"])
     args = parser.parse_args()
     pair = tuple(map(config, args.pair))
     timing.spin_up_gpu()

@@ -53,28 +53,16 @@ _TARGET_THREADS = 65536
 def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     """The configs worth timing at ``key``: two group counts K around the
     shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
-    closest to 128 threads, in 4-deep rounds where a group has at most 4
-    partials, 8-deep ones where it has 5-8, and both 8- and 16-deep ones past
-    that. KvSplit K = 1 always stays. DSplit also at the fewest groups that
-    take a row's partials in one 16-deep round, where that is below both Ks
-    (at D = 128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at
-    K = 64 or 128). Besides, every DSplit config whose item is one warp (lanes
-    x K = 32; they run four to a CTA with no barrier) in 8-deep rounds, which
-    beat 4-deep ones at the grid's bf16 decode shapes on the H200 even where a
-    group has at most 4 partials (3-10 %, docs/benchmarks.md; with fp32
-    partials or N = 4, 4-deep ones won, and are timed where the rule above
-    keeps them), and past 8 partials a group 16-deep as well. At the larger K,
-    where its groups hold at most 32 partials, 4-deep rounds too for each of
-    these DSplit configs: they won there at D = 512, 300 rows, N = 48 and 100
-    (by 4-6 %, the unseen shapes of benchmarks/bench_dispatch.py). Median 15
-    candidates a key, at most 22, over the H200 grid and those unseen shapes.
-
-    Past 8 partials a group both depths stay because the lean merge math
-    (build 5a8ee5bd092ad305) made the 8-deep round the faster one at several
-    shapes where the 16-deep one had won before: at 512/64/132 P4xK16 3.94
-    against 4.06 us, at 128/256/264 P1xK16 5.02 against 5.30 (bench_peers,
-    docs/benchmarks.md); before it, 16-deep beat its 8-deep twin at every
-    config and shape of the DSplit lab (docs/kernel-notes.md)."""
+    closest to 128 threads, and DSplit also at the fewest groups that take a
+    row's partials in one 16-deep round, where that is below both Ks (at D =
+    128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at K = 64
+    or 128). Besides, every DSplit config whose item is one warp (lanes x K =
+    32; they run four to a CTA with no barrier). KvSplit K = 1 always stays.
+    Every DSplit config kept is timed in 4-deep rounds, and where a group
+    holds more than 4 partials in 16-deep rounds as well (:func:`dsplit_depths`).
+    Median 15 candidates a key over the shipped H200 grid (13 over the
+    adapters' grid, 17 over the unseen shapes of benchmarks/bench_dispatch.py),
+    at most 21."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
@@ -88,25 +76,35 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
         options = sorted({c.slices for c in configs if c.family == "dsplit" and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
         slices[k] = set(options[:2])
-    # At the larger K, groups of at most 32 partials: 4-deep and deep rounds of what is kept.
-    both_depths = key.num_splits <= 32 * k_hi
     kept = []
     for c in configs:
         if c.family == "kvsplit":
             if c.kv_split == 1 or c.kv_split in ks:
                 kept.append(c)
             continue
-        per_group = math.ceil(key.num_splits / c.kv_split)
-        deep = {8, 16} if per_group > 8 else {8}
-        depths = {4} | deep if both_depths and c.kv_split == k_hi else set()
-        if vectors // c.slices * c.kv_split == 32:  # one-warp items: 8-deep even at <= 4
-            keep = c.depth in (deep | depths)
-        else:
-            keep = (c.kv_split in dsplit_ks and c.slices in slices[c.kv_split]
-                    and c.depth in ((deep if per_group > 4 else {4}) | depths))
-        if keep:
+        if c.depth not in dsplit_depths(math.ceil(key.num_splits / c.kv_split)):
+            continue
+        one_warp = vectors // c.slices * c.kv_split == 32
+        if one_warp or (c.kv_split in dsplit_ks and c.slices in slices[c.kv_split]):
             kept.append(c)
     return kept
+
+
+def dsplit_depths(per_group: int) -> set[int]:
+    """The round depths timed for DSplit groups of ``per_group`` partials: 4, and 16 past 4.
+
+    Measured on the H200 with the lean combine (build 7a05540356e771de, every
+    valid config at the 67 shapes of benchmarks/bench_dispatch.py, bf16
+    maxsum; docs/benchmarks.md): against the 8-deep round of the same slices
+    and K, the 4-deep one took a median 1.00x of its time where a group has
+    at most 4 partials, 0.98x with 5-8, 0.97x with 9-16 and 0.91x past 16;
+    the 16-deep one 1.26x, 1.02x, 1.00x and 0.82x, but up to 10 % less than
+    both at a tenth of the configs with 5-16 partials. Timing 4- and 16-deep
+    rounds, not 8-deep ones, gave the same candidate counts as the rule
+    before it (8-deep from 5 partials, 16-deep past 8) and cut the regret of
+    the pruning on those shapes from 0.49 % / 2.7 % worst (grid) and 1.30 %
+    / 7.8 % (unseen) to 0.17 % / 2.4 % and 0.10 % / 2.3 %."""
+    return {4} if per_group <= 4 else {4, 16}
 
 
 def simplicity(config: KernelConfig) -> tuple[int, int, int, int]:

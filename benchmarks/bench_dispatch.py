@@ -65,7 +65,9 @@ def regret(g, sm_count, shapes):
         rows_out.append({"head_dim": head_dim, "rows": rows, "num_splits": num_splits,
                          "best": best.label, "best_us": times[best], "auto": auto.label,
                          "auto_us": times[auto], "source": decision.source,
-                         "first_call_ms": first_ms, "regret": times[auto] / times[best] - 1})
+                         "first_call_ms": first_ms, "regret": times[auto] / times[best] - 1,
+                         # every config's time, so that a pruning rule can be judged offline
+                         "times": {c.label: round(t, 3) for c, t in times.items()}})
         r = rows_out[-1]
         print(f"  D={head_dim} rows={rows} N={num_splits}: best {best.label} {times[best]:.2f} us, "
               f"auto {auto.label} ({r['source']}, first call {first_ms:.1f} ms) "

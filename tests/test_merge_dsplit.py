@@ -10,6 +10,8 @@ of dispatch/: a slice is 4..32 vectors of 16 bytes (a power of two), a CTA has
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -132,6 +134,43 @@ def test_exact_trip_counts_cover_every_remainder(device, kv_split, depth, with_c
         if with_counts:
             assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
     assert chosen_kv_split == [config] * len(counts)
+
+
+@pytest.mark.parametrize("depth", [4, 8, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_plain_kernel_scales_raw_stats(device, fmt, depth, merge_kit, chosen_kv_split,
+                                           monkeypatch):
+    """Flat rows, no split counts and no empty-split sentinel: the plain kernel, which takes the
+    stats as loaded and applies the scale inside the merge (one FFMA a weight). Random scales
+    and the base-e LSE (scale log2 e), empty splits (-inf stats) and whole empty rows, and a NaN
+    stat that must poison its own row and no other; one-warp and multi-warp items."""
+    head_dim, rows, poisoned_row = 128, 9, 4
+    configs = [KernelConfig.dsplit(2, 4, depth), KernelConfig.dsplit(1, 8, depth)]
+    for config in configs:
+        gen = merge_kit.generator("plain", fmt, depth, config.kv_split)
+        num_splits = int(torch.randint(config.kv_split, 3 * depth * config.kv_split, (),
+                                       generator=gen))
+        partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16,
+                                              gen, empty_fraction=0.3)
+        if fmt == "maxsum":  # row 0: every split empty
+            stats[:, 0] = torch.tensor([-math.inf, 0.0])
+        else:
+            stats[:, 0] = -math.inf
+        scale = merge_kit.scale_log2(gen)
+        pin(monkeypatch, config)
+        out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale)
+        merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
+            fmt, partial_o, stats, scale=scale))
+        assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
+        poisoned = stats.clone()
+        poisoned[num_splits // 2, poisoned_row] = math.nan  # the max, or the LSE
+        bad_out, bad_stats = merge_kit.merge(fmt, partial_o.to(device), poisoned.to(device),
+                                             scale=scale)
+        others = torch.arange(rows) != poisoned_row
+        assert bad_out[poisoned_row].isnan().all()
+        assert torch.equal(bad_out[others].cpu(), out[others].cpu())
+        assert torch.equal(bad_stats[others].cpu(), out_stats[others].cpu())
+    assert chosen_kv_split == [c for c in configs for _ in range(2)]
 
 
 @pytest.mark.gpu

@@ -46,6 +46,10 @@ VARIANTS = {
     # per weight, IEEE divide and log2f, 64-bit offsets), and each change apart
     "classic": "-DKVSPLIT_LEAN_MATH=0 -DKVSPLIT_DSPLIT_INDEX32=0",
     "index64": "-DKVSPLIT_DSPLIT_INDEX32=0",
+    # the plain kernel testing and scaling each stat, as before the raw-stats change
+    "scaled": "-DKVSPLIT_DSPLIT_RAW_STATS=0",
+    # combine() testing for an empty state and skipping it, as before the lean combine
+    "skipcombine": "-DKVSPLIT_LEAN_COMBINE=0",
 }
 # Variants whose lanes load fewer bytes of a row per partial than the product's 16.
 LANE_BYTES = {"lane8": 8, "lane4": 4}

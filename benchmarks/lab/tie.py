@@ -7,7 +7,8 @@ the tuner's own timings of a pair of configs (default KvSplit K4 and DSplit
 P2xK4d8, spelled as KVSPLIT_MODE spells a fixed config: 4 and dsplit:2:4:8)
 over five fresh tunings, and the same two configs timed as bench_dispatch
 times them (every valid config replayed in turns, 32 launches a graph) and
-with the tuner's batch.
+with the tuner's batch; then three more tunings with those buffers alive, in the order
+bench_dispatch's first use comes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def config(mode: str) -> KernelConfig:
     return fixed
 
 
+def tuned(key, device, pair, name: str) -> str:
+    """One fresh tuning of ``key``: its winner and its timings of ``pair``."""
+    record = tuner.tune(key, device, configs_for_key(key, is_cuda=True))
+    got = {c.config: c.median_us for c in record.candidates}
+    return (f"{name}: winner {record.winner.label}; "
+            + ", ".join(f"{c.label} {got.get(c, float('nan')):.2f}" for c in pair)
+            + f"; best timed {min(got.values()):.2f} of {len(got)}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
@@ -51,12 +61,8 @@ def main() -> int:
                         rows=rows)
         device = torch.device("cuda", 0)
         for attempt in range(5):
-            record = tuner.tune(key, device, configs_for_key(key, is_cuda=True))
-            got = {c.config: c.median_us for c in record.candidates}
-            lines.append(f"{head_dim}/{rows}/{num_splits} tune {attempt}: winner "
-                         f"{record.winner.label}; "
-                         + ", ".join(f"{c.label} {got.get(c, float('nan')):.2f}" for c in pair)
-                         + f"; best timed {min(got.values()):.2f} of {len(got)}")
+            lines.append(f"{head_dim}/{rows}/{num_splits} " + tuned(key, device, pair,
+                                                                   f"tune {attempt}"))
             print(lines[-1], flush=True)
         g = torch.Generator().manual_seed(1)
         m = torch.randn(num_splits, rows, generator=g) * 2
@@ -75,6 +81,11 @@ def main() -> int:
                 batch=batch, replays=15)
             lines.append(f"{head_dim}/{rows}/{num_splits} {label}: " + ", ".join(
                 f"{c.label} {times[c].median_us:.2f}" for c in pair))
+            print(lines[-1], flush=True)
+        # As bench_dispatch's first use runs: after every config was timed, its buffers alive.
+        for attempt in range(3):
+            lines.append(f"{head_dim}/{rows}/{num_splits} after all configs, "
+                         + tuned(key, device, pair, f"tune {attempt}"))
             print(lines[-1], flush=True)
     (args.out / "tie.txt").write_text("\n".join(lines) + "\n")
     return 0

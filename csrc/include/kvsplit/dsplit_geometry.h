@@ -28,6 +28,12 @@ constexpr int kDsplitLaneBytes = KVSPLIT_DSPLIT_LANE_BYTES;
 #ifndef KVSPLIT_DSPLIT_INDEX32
 #define KVSPLIT_DSPLIT_INDEX32 1
 #endif
+// The plain kernel's stats into the merge as loaded, scaled there (a benchmarks/lab
+// knob: 0 scales and tests each stat against the empty-split sentinel, as the
+// general kernel does).
+#ifndef KVSPLIT_DSPLIT_RAW_STATS
+#define KVSPLIT_DSPLIT_RAW_STATS 1
+#endif
 
 // log2 of a power of two, -1 for anything else.
 KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {

@@ -21,6 +21,7 @@
 // search costs few instantiations.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -34,7 +35,10 @@
 namespace kvsplit {
 
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
-template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec, typename Index>
+// kRawStats: no stat is the empty-split sentinel and log2_scale > 0 (dsplit_plain
+// checks), so the stats go into the merge as loaded and the scale is applied there.
+template <int kDepth, DType kPartial, StatsFormat kFormat, bool kRawStats, int kVec,
+          typename Index>
 __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, Index o_step, Index s_step,
@@ -45,10 +49,15 @@ __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
   for (int u = 0; u < kDepth; ++u) {
     packed[u] = load_packed<kDsplitLaneBytes>(o + u * o_step);
     const float m_raw = __ldg(s + u * s_step);
-    m_in[u] = m_raw != empty_stat ? m_raw * log2_scale : neg_inf();
+    if constexpr (kRawStats) {
+      m_in[u] = m_raw;
+    } else {
+      m_in[u] = m_raw != empty_stat ? m_raw * log2_scale : neg_inf();
+    }
     l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
   }
-  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
+  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); },
+                    kRawStats ? log2_scale : 1.f);
 }
 
 template <int kVec>
@@ -63,14 +72,15 @@ __device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int of
 
 // The first round of a group: its `first` (1..kDepth) partials, one template
 // case each so that every load is issued before the first use.
-template <int kDepth, DType kPartial, StatsFormat kFormat, int kVec, typename Index>
+template <int kDepth, DType kPartial, StatsFormat kFormat, bool kRawStats, int kVec,
+          typename Index>
 __device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, Index o_step, Index s_step,
                                                   float log2_scale, float empty_stat) {
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
-    merge_exact_batch<kCount, kPartial, kFormat>(state, o, s, o_step, s_step, log2_scale,
-                                                 empty_stat);
+    merge_exact_batch<kCount, kPartial, kFormat, kRawStats>(state, o, s, o_step, s_step,
+                                                            log2_scale, empty_stat);
   })
 }
 
@@ -83,15 +93,17 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
-// kPlain: flat rows, no row mask, no split counts and element offsets of 32
-// bits (dsplit_plain checks), so nothing stands between the row index and the
-// first load, and a load's address is one multiply-add.
+// kPlain: flat rows, no row mask, no split counts, no empty-split sentinel, a
+// positive scale and element offsets of 32 bits (dsplit_plain checks), so
+// nothing stands between the row index and the first load, a load's address is
+// one multiply-add and a stat goes into the merge as loaded.
 template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth, bool kPlain>
 __global__ void __launch_bounds__(kDsplitMaxThreads)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;
   using Index = std::conditional_t<kPlain && KVSPLIT_DSPLIT_INDEX32, int32_t, int64_t>;
+  constexpr bool kRaw = kPlain && KVSPLIT_DSPLIT_RAW_STATS;
   // Each warp of a multi-warp item parks its total (m, l, acc) here for warp 0:
   // [2 + kVec][warps][lanes] floats, sized at launch.
   extern __shared__ float parked[];
@@ -140,13 +152,13 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
       const float* s = p.stats + (group * Index(p.stats_stride_split) + s_row);
       const Index o_step = kv_split * Index(p.o_stride_split);
       const Index s_step = kv_split * Index(p.stats_stride_split);
-      merge_first_round<kDepth, kPartial, kFormat>(state, first, o, s, o_step, s_step,
-                                                   p.log2_scale, p.empty_stat);
+      merge_first_round<kDepth, kPartial, kFormat, kRaw>(state, first, o, s, o_step, s_step,
+                                                         p.log2_scale, p.empty_stat);
       o += first * o_step;
       s += first * s_step;
       for (int done = first; done < count; done += kDepth) {
-        merge_exact_batch<kDepth, kPartial, kFormat>(state, o, s, o_step, s_step, p.log2_scale,
-                                                     p.empty_stat);
+        merge_exact_batch<kDepth, kPartial, kFormat, kRaw>(state, o, s, o_step, s_step,
+                                                           p.log2_scale, p.empty_stat);
         o += kDepth * o_step;
         s += kDepth * s_step;
       }
@@ -184,10 +196,12 @@ __global__ void __launch_bounds__(kDsplitMaxThreads)
 }
 
 // Whether a call takes the plain kernel: flat rows, no mask, no split counts,
-// and every element offset it forms (rows, splits and a round's step past the
+// no empty-split sentinel (NaN: no stat equals it), a positive scale, and
+// every element offset it forms (rows, splits and a round's step past the
 // last split) below 2^30.
 inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
   if (!p.flat_rows || p.row_mask != nullptr || p.split_counts != nullptr) return false;
+  if (KVSPLIT_DSPLIT_RAW_STATS && !(std::isnan(p.empty_stat) && p.log2_scale > 0.f)) return false;
   constexpr int64_t kLimit = int64_t{1} << 30;
   const int64_t splits =
       p.num_splits + int64_t{kDsplitMaxDepth} * (int64_t{1} << geo.kv_split_log2);

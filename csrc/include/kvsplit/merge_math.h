@@ -21,6 +21,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 #ifndef KVSPLIT_LEAN_MATH
 #define KVSPLIT_LEAN_MATH 1
 #endif
+// combine() without a test for an empty state (a benchmarks/lab knob: 0 skips it).
+#ifndef KVSPLIT_LEAN_COMBINE
+#define KVSPLIT_LEAN_COMBINE 1
+#endif
 
 KVSPLIT_HD float neg_inf() { return -INFINITY; }
 
@@ -55,6 +59,16 @@ KVSPLIT_HD float fast_log2(float x) {
   return log2f(x);
 #else
   return std::log2(x);
+#endif
+}
+
+// x * scale - offset: one FFMA on the GPU. The CPU keeps the two roundings
+// (exact for the scale of 1 that it always passes).
+KVSPLIT_HD float scaled_minus(float x, float scale, float offset) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(x, scale, -offset);
+#else
+  return x * scale - offset;
 #endif
 }
 
@@ -96,17 +110,23 @@ struct MergeState {
     for (int v = 0; v < kVec; ++v) acc[v] = 0.f;
   }
 
-  // Folds kDepth loaded partials into the state. The running max moves once
-  // per batch and the old state is rescaled before anything is added, so a
-  // padded slot (m = -inf) can never move the max without rescaling.
-  // `o_at(j, v)` yields element v of partial j, so that callers can keep the
-  // partials packed (16-bit) in registers until this very multiply.
+  // Folds kDepth loaded partials into the state: partial j's m is
+  // m_in[j] * scale (scale > 0; the kernels that read stats raw pass the
+  // call's scale here instead of scaling each stat). The running max moves
+  // once per batch and the old state is rescaled before anything is added,
+  // so a padded slot (m = -inf) can never move the max without rescaling.
+  // With a positive scale the largest m_in gives the largest m, so the max
+  // is taken raw and scaled once, and a weight is 2^(m_in * scale - offset),
+  // one FFMA before the exponent. `o_at(j, v)` yields element v of partial j,
+  // so that callers can keep the partials packed (16-bit) in registers until
+  // this very multiply.
   template <int kDepth, typename OAt>
   KVSPLIT_HD void merge_batch(const float (&m_in)[kDepth], const float (&l_in)[kDepth],
-                              OAt&& o_at) {
-    float m_new = m;
+                              OAt&& o_at, float scale = 1.f) {
+    float in_max = m_in[0];
 #pragma unroll
-    for (int j = 0; j < kDepth; ++j) m_new = max_keep_nan(m_new, m_in[j]);
+    for (int j = 1; j < kDepth; ++j) in_max = max_keep_nan(in_max, m_in[j]);
+    const float m_new = max_keep_nan(m, in_max * scale);
     const float alpha = rescale_weight(m, m_new);
     l *= alpha;
 #pragma unroll
@@ -117,9 +137,9 @@ struct MergeState {
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
 #if KVSPLIT_LEAN_MATH
-      const float w = fast_exp2(m_in[j] - offset);
+      const float w = fast_exp2(scaled_minus(m_in[j], scale, offset));
 #else
-      const float w = rescale_weight(m_in[j], m_new);
+      const float w = rescale_weight(m_in[j] * scale, m_new);
 #endif
       l += w * l_in[j];
 #pragma unroll
@@ -128,14 +148,21 @@ struct MergeState {
     m = m_new;
   }
 
-  // Adds another group's state; empty groups are skipped outright so that
-  // whatever their accumulators hold never reaches the output.
+  // Adds another group's state. An empty state (m = -inf) weighs 0 with the
+  // same exponent offset as merge_batch, and its l and accumulators are 0
+  // (its partials were weighed 0), so it adds nothing, with no test for it.
   KVSPLIT_HD void combine(float m_other, float l_other, const float* acc_other,
                           int acc_stride) {
-    if (m_other == neg_inf()) return;
     const float m_new = max_keep_nan(m, m_other);
+#if KVSPLIT_LEAN_COMBINE
+    const float offset = weight_offset(m_new);
+    const float a = fast_exp2(m - offset);
+    const float b = fast_exp2(m_other - offset);
+#else
+    if (m_other == neg_inf()) return;
     const float a = rescale_weight(m, m_new);
     const float b = rescale_weight(m_other, m_new);
+#endif
     l = l * a + l_other * b;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] = acc[v] * a + acc_other[v * acc_stride] * b;

@@ -57,7 +57,7 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     row's partials in one 16-deep round, where that is below both Ks (at D =
     128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at K = 64
     or 128). Besides, every DSplit config whose item is one warp (lanes x K =
-    32; they run four to a CTA with no barrier). KvSplit K = 1 always stays.
+    32; they run four or eight to a CTA with no barrier). KvSplit K = 1 always stays.
     Every DSplit config kept is timed in 4-deep rounds, and where a group
     holds more than 4 partials in 16-deep rounds as well (:func:`dsplit_depths`).
     Median 15 candidates a key over the shipped H200 grid (13 over the

@@ -241,13 +241,14 @@ def test_the_kernels_refuse_an_impossible_geometry(device, family, slices, kv_sp
 
 
 @pytest.mark.parametrize("fmt", ["maxsum", "lse2"])
-def test_one_warp_items_run_four_to_a_cta(device, fmt, merge_kit, chosen_kv_split, monkeypatch):
-    """Items of one warp (lanes x K = 32) share CTAs four at a time: row counts that leave the
-    last CTA partly idle, sinks, split counts, empty splits and exported stats."""
+def test_one_warp_items_share_ctas(device, fmt, merge_kit, chosen_kv_split, monkeypatch):
+    """Items of one warp (lanes x K = 32) share CTAs four at a time, eight in calls of 1024
+    items or more: row counts that leave the last CTA partly idle, sinks, split counts, empty
+    splits and exported stats."""
     head_dim = 128  # 16 vectors of bf16: slices 1, 2, 4 give 16, 8, 4 lanes
     configs = [KernelConfig.dsplit(slices, 32 // (16 // slices), depth)
                for slices in (1, 2, 4) for depth in (4, 8, 16)]
-    for rows in (1, 3, 6, 7):
+    for rows in (1, 3, 6, 7, 1029):  # 1029 rows: 1029-4116 items, eight to a CTA
         gen = merge_kit.generator("one-warp", fmt, rows)
         num_splits = int(torch.randint(9, 40, (), generator=gen))
         partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16,
@@ -263,7 +264,7 @@ def test_one_warp_items_run_four_to_a_cta(device, fmt, merge_kit, chosen_kv_spli
                                              scale=scale, sinks=sinks.to(device),
                                              split_counts=split_counts.to(device))
             merge_kit.assert_matches_reference(out, out_stats, *expected)
-    assert chosen_kv_split == configs * 4
+    assert chosen_kv_split == configs * 5
 
 
 @pytest.mark.parametrize("heads", [1, 3])

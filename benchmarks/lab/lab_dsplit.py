@@ -35,13 +35,15 @@ import labkit  # noqa: E402  (the lab's own helpers, beside this file)
 timing = labkit.load("lab_timing", "autotune/timing.py")
 peers = labkit.load("lab_peers", "benchmarks/peers.py")
 
-# Name -> nvcc flags (the items-per-CTA knob of dsplit_geometry.h; the default is the product).
+# Name -> nvcc flags (the items-per-CTA knobs of dsplit_geometry.h; the default is the product;
+# the pack variants also double their count in calls of 1024 one-warp items or more).
 VARIANTS = {
     "product": "",
     "pack1": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=1",  # one-warp items one to a CTA, as before
     "pack2": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=2",
     "pack8": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=8",
     "pack16": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=16",
+    "pack4": "-DKVSPLIT_DSPLIT_WIDE_ITEMS=0",  # 4 to a CTA at any call size, as before
     # the kernel before the lean math and 32-bit offsets (compare-and-select max, a test
     # per weight, IEEE divide and log2f, 64-bit offsets), and each change apart
     "classic": "-DKVSPLIT_LEAN_MATH=0 -DKVSPLIT_DSPLIT_INDEX32=0",

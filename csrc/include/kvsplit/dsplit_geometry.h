@@ -14,11 +14,19 @@ constexpr int kDsplitMaxLanes = 32;  // of one warp
 constexpr int kDsplitMinThreads = 32;
 constexpr int kDsplitMaxThreads = 512;
 // Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per
-// warp (a knob for benchmarks/lab; the default is the product).
+// warp, and twice as many in a call of kDsplitWideItems items or more (knobs
+// for benchmarks/lab; the defaults are the product; 0 wide items: never).
+// Measured on an H200 with the lean kernel: 8 to a CTA took 0.96-0.99x of
+// the time of 4 at calls of 1024-4096 one-warp items and 1.00-1.08x at
+// 64-512 (benchmarks/lab/lab_dsplit.py, docs/kernel-notes.md).
 #ifndef KVSPLIT_DSPLIT_ITEMS_PER_CTA
 #define KVSPLIT_DSPLIT_ITEMS_PER_CTA 4
 #endif
+#ifndef KVSPLIT_DSPLIT_WIDE_ITEMS
+#define KVSPLIT_DSPLIT_WIDE_ITEMS 1024
+#endif
 constexpr int kDsplitItemsPerCta = KVSPLIT_DSPLIT_ITEMS_PER_CTA;
+constexpr int64_t kDsplitWideItems = KVSPLIT_DSPLIT_WIDE_ITEMS;
 // Bytes of a row each lane loads per partial (a benchmarks/lab knob: 16, 8 or 4).
 #ifndef KVSPLIT_DSPLIT_LANE_BYTES
 #define KVSPLIT_DSPLIT_LANE_BYTES 16
@@ -59,7 +67,7 @@ struct DsplitGeometry {
   int slices_log2;    // CTAs per row
   int slice_elems;    // head_dim / slices
   int64_t items;      // rows * slices: the work of lanes * kv_split threads each
-  int items_per_cta_log2;  // 0, or log2 kDsplitItemsPerCta for items of one warp
+  int items_per_cta_log2;  // 0, or log2 of the items of one warp a CTA runs
 
   KVSPLIT_HOST_DEVICE int lanes() const { return 1 << lanes_log2; }
   KVSPLIT_HOST_DEVICE int threads() const { return 1 << (lanes_log2 + kv_split_log2); }
@@ -69,9 +77,12 @@ KVSPLIT_HOST_DEVICE constexpr DsplitGeometry make_dsplit_geometry(int head_dim, 
                                                                   int slices, int kv_split,
                                                                   int64_t rows) {
   const int lanes = dsplit_lanes(head_dim, elem_bytes, slices);
+  const int64_t items = rows * slices;
+  const bool wide = kDsplitWideItems > 0 && items >= kDsplitWideItems;
   return DsplitGeometry{exact_log2(lanes), exact_log2(kv_split), exact_log2(slices),
-                        head_dim / slices, rows * slices,
-                        lanes * kv_split == 32 ? exact_log2(kDsplitItemsPerCta) : 0};
+                        head_dim / slices, items,
+                        lanes * kv_split == 32 ? exact_log2(kDsplitItemsPerCta) + (wide ? 1 : 0)
+                                               : 0};
 }
 
 }  // namespace kvsplit

@@ -12,9 +12,9 @@
 // across warps, every warp parks its total in shared memory and warp 0 folds
 // them with all 32 lanes, then shuffles again. Every item reads its row's
 // stats itself. An item of one warp needs no shared memory and no barrier,
-// so a CTA runs kDsplitItemsPerCta of them side by side, one per warp
-// (measured on an H200: 4 per CTA was 0.2-0.3 us faster than 1 at decode
-// shapes, benchmarks/lab/lab_dsplit.py).
+// so a CTA runs 4 of them side by side, one per warp, or 8 in calls of 1024
+// such items or more (dsplit_geometry.h; measured on an H200: 4 per CTA was
+// 0.2-0.3 us faster than 1 at decode shapes, benchmarks/lab/lab_dsplit.py).
 //
 // Geometry is a runtime argument (all powers of two), so one kernel per
 // (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's

@@ -35,8 +35,8 @@ import labkit  # noqa: E402  (the lab's own helpers, beside this file)
 timing = labkit.load("lab_timing", "autotune/timing.py")
 peers = labkit.load("lab_peers", "benchmarks/peers.py")
 
-# Name -> nvcc flags (the items-per-CTA knobs of dsplit_geometry.h; the default is the product;
-# the pack variants also double their count in calls of 1024 one-warp items or more).
+# Name -> nvcc flags: the lab knobs of dsplit_geometry.h and merge_math.h (the default is the
+# product). The pack variants also double their count in calls of 1024 one-warp items or more.
 VARIANTS = {
     "product": "",
     "pack1": "-DKVSPLIT_DSPLIT_ITEMS_PER_CTA=1",  # one-warp items one to a CTA, as before
@@ -61,6 +61,8 @@ VARIANTS.update({name: f"-DKVSPLIT_DSPLIT_LANE_BYTES={b}" for name, b in LANE_BY
 def lane_bytes(variant: str) -> int:
     """Bytes each lane loads per partial in ``variant`` (the product: 16)."""
     return LANE_BYTES.get(variant, 16)
+
+
 SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
 SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
           (512, 64, 64), (128, 32, 264), (512, 64, 132), (512, 128, 16), (512, 2048, 16),
@@ -175,7 +177,8 @@ def main() -> int:
 
         # Pass 2: every variant at the product's best config, with an empty kernel of its geometry.
         _, slices, kv_split, depth = best("product")
-        lanes = head_dim * 2 // (16 * slices)
+        lanes = next(lanes for *config, lanes in configs(head_dim, num_splits)
+                     if config == [slices, kv_split, depth])
         grid, block = rows * slices, lanes * kv_split
         again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()
                  if lane_bytes(name) == 16}

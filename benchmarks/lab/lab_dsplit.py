@@ -52,10 +52,17 @@ VARIANTS = {
     "scaled": "-DKVSPLIT_DSPLIT_RAW_STATS=0",
     # combine() testing for an empty state and skipping it, as before the lean combine
     "skipcombine": "-DKVSPLIT_LEAN_COMBINE=0",
+    # the register bounds of merge_dsplit.cuh: 64 for every depth, as before (regs64), or up
+    # to 128 for every depth, the 4-deep kernel too (regs4)
+    "regs64": "-DKVSPLIT_DSPLIT_ROOMY_DEPTH=32",
+    "regs4": "-DKVSPLIT_DSPLIT_ROOMY_DEPTH=4",
 }
 # Variants whose lanes load fewer bytes of a row per partial than the product's 16.
 LANE_BYTES = {"lane8": 8, "lane4": 4}
 VARIANTS.update({name: f"-DKVSPLIT_DSPLIT_LANE_BYTES={b}" for name, b in LANE_BYTES.items()})
+# 8-byte lanes with every kernel at 64 registers (lane8 has the product's register bounds)
+VARIANTS["lane8regs64"] = VARIANTS["lane8"] + " " + VARIANTS["regs64"]
+LANE_BYTES["lane8regs64"] = 8
 
 
 def lane_bytes(variant: str) -> int:
@@ -71,7 +78,7 @@ SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32
 
 def configs(head_dim: int, num_splits: int, elem_bytes: int = 2, lane_bytes: int = 16):
     """DSplit (slices, kv_split, depth, lanes) legal by config.h, kv_split <= N,
-    depth 8 only where a group has more than 4 partials, 16 where more than 8."""
+    depths 8 and 16 only where a group has more than 4 partials."""
     found = []
     for slices in (1, 2, 4, 8, 16):
         lanes = head_dim * elem_bytes // (lane_bytes * slices)
@@ -81,7 +88,7 @@ def configs(head_dim: int, num_splits: int, elem_bytes: int = 2, lane_bytes: int
             if not 32 <= lanes * kv_split <= 512 or kv_split > max(num_splits, 32 // lanes):
                 continue
             per_group = -(-num_splits // kv_split)
-            for depth in [d for d in (4, 8, 16) if d == 4 or per_group > d // 2]:
+            for depth in [d for d in (4, 8, 16) if d == 4 or per_group > 4]:
                 found.append((slices, kv_split, depth, lanes))
     return found
 

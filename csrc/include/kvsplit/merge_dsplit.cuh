@@ -34,6 +34,21 @@
 
 namespace kvsplit {
 
+// Registers. Bounded by 512 threads alone, ptxas keeps every DSplit kernel
+// to 64 registers a thread, and the 8- and 16-deep kernels then issue a
+// round's loads a few at a time between the math of the earlier ones. With a
+// minimum of one CTA per SM (up to 128 registers) they issue a whole round
+// back to back: 90 and 128 registers (sm_90a, bf16 LSE plain kernels), 2-8 %
+// less time at decode shapes (benchmarks/lab/lab_dsplit.py, docs/kernel-notes.md).
+// The 4-deep kernel keeps no minimum: at 72 registers the 4096 one-warp
+// items of 2048 rows of D = 512 no longer fit in one wave. Kernels of this
+// depth or more get the minimum (a benchmarks/lab knob: 4 every kernel, 32 none).
+#ifndef KVSPLIT_DSPLIT_ROOMY_DEPTH
+#define KVSPLIT_DSPLIT_ROOMY_DEPTH 8
+#endif
+template <int kDepth>
+inline constexpr int kDsplitMinCtas = kDepth >= KVSPLIT_DSPLIT_ROOMY_DEPTH ? 1 : 0;
+
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
 // kRawStats: no stat is the empty-split sentinel and log2_scale > 0 (dsplit_plain
 // checks), so the stats go into the merge as loaded and the scale is applied there.
@@ -98,7 +113,7 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 // nothing stands between the row index and the first load, a load's address is
 // one multiply-add and a stat goes into the merge as loaded.
 template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth, bool kPlain>
-__global__ void __launch_bounds__(kDsplitMaxThreads)
+__global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;

@@ -72,8 +72,10 @@ def _devices(value: str | None) -> list:
 
 
 def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool, lease_s: float,
-          report) -> None:
-    """Tune ``keys`` (JSON, all of this device's model) on ``device`` as one fleet worker.
+          report, shapes: dict[str, tuple[int, int]] | None = None) -> None:
+    """Tune ``keys`` (JSON, all of this device's model) on ``device`` as one fleet worker, each
+    at the (rows, num_splits) that ``shapes`` gives for it (the grid's own values), else at
+    the key's own.
 
     Outcomes go to ``report``: ("tuned"|"failed", key, detail) for the keys
     tuned here, ("taken_over", key, previous owner), ("standings", None,
@@ -92,7 +94,9 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     target = torch.device(device)
 
     def tune_one(key: TuningKey):
-        return tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"), l2_state=l2)
+        shape = (shapes or {}).get(key.model_dump_json())
+        return tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"), l2_state=l2,
+                    shape=None if shape is None else tuple(shape))
 
     grid = [TuningKey.model_validate_json(k) for k in keys]
     model = grid[0].device.label if grid else ""
@@ -107,25 +111,33 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     report(("finished", None, None))
 
 
-def _worker_main(device, keys, db_url, l2, force, lease_s, queue) -> None:
+def _worker_main(device, keys, db_url, l2, force, lease_s, queue, shapes=None) -> None:
     try:
-        _work(device, keys, db_url, l2, force, lease_s, queue.put)
+        _work(device, keys, db_url, l2, force, lease_s, queue.put, shapes)
     except Exception as error:  # noqa: BLE001 - the parent reports it; no traceback from a child
         queue.put(("stopped", None, str(error)))
 
 
-def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows) -> list:
+def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows) -> tuple[list, dict]:
     """The grid's keys: every shape once per device model among ``targets`` (bucketed as the
-    dispatcher buckets calls, so the grid fills exactly the keys that calls look up)."""
+    dispatcher buckets calls, so the grid fills exactly the keys that calls look up), and the
+    (rows, num_splits) each is profiled at: the first grid values that fall in its buckets."""
     from ..config import build_hash
     from ..dispatch.device import device_facts
     from ..dispatch.keys import tuning_key
 
     models = list(dict.fromkeys(device_facts(t) for t in targets))
-    keys = [tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
-            for d in head_dims for dtype in dtypes for fmt in formats for n in num_splits for r in rows
-            for facts in models]
-    return list(dict.fromkeys(keys))
+    shapes: dict = {}
+    for d in head_dims:
+        for dtype in dtypes:
+            for fmt in formats:
+                for n in num_splits:
+                    for r in rows:
+                        for facts in models:
+                            key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype,
+                                             _OUT_DTYPE[dtype], fmt, n, r)
+                            shapes.setdefault(key, (r, n))
+    return list(shapes), {key.model_dump_json(): shape for key, shape in shapes.items()}
 
 
 def _assign(keys: list, targets: list) -> tuple[dict[str, list[str]], list[tuple]]:
@@ -147,16 +159,17 @@ def _assign(keys: list, targets: list) -> tuple[dict[str, list[str]], list[tuple
     return work, foreign
 
 
-def _run_workers(work: dict[str, list[str]], db_url, l2: str, force: bool, lease_s: float, report) -> None:
+def _run_workers(work: dict[str, list[str]], db_url, l2: str, force: bool, lease_s: float, report,
+                 shapes: dict | None = None) -> None:
     """One fleet worker per target: in this process for one, in spawned processes for several."""
     busy = {target: keys for target, keys in work.items() if keys}
     if len(busy) <= 1:
         for target, keys in busy.items():
-            _work(target, keys, db_url, l2, force, lease_s, report)
+            _work(target, keys, db_url, l2, force, lease_s, report, shapes)
         return
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(d, k, db_url, l2, force, lease_s, queue))
+    procs = [ctx.Process(target=_worker_main, args=(d, k, db_url, l2, force, lease_s, queue, shapes))
              for d, k in busy.items()]
     for proc in procs:
         proc.start()
@@ -207,7 +220,8 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     Candidates: both kernel families, pruned, on a GPU; every KvSplit K on the CPU.
 
     Rows and num_splits are bucketed as the dispatcher does, so the grid fills
-    exactly the keys that calls will look up. Resumable: keys already stored
+    exactly the keys that calls will look up; each key is profiled at the
+    grid's own values that fall in it (the first, if several). Resumable: keys already stored
     are skipped unless --force; a stored row that does not parse is tuned
     again (with a warning). Exits 1 if any key failed, 3 on a database problem.
 
@@ -230,7 +244,9 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     if damage:
         warnings.warn(f"{store.url}: {len(damage)} rows do not parse; tuning goes on and re-tunes any "
                       f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
-    keys = pending_keys.load() if pending else _grid(targets, head_dims, dtypes, formats, num_splits, rows)
+    # Pending keys are profiled at their own values; a grid's at the values it names.
+    keys, shapes = ((pending_keys.load(), {}) if pending
+                    else _grid(targets, head_dims, dtypes, formats, num_splits, rows))
     if status:
         _status(db_url, keys, as_json)
         return
@@ -257,7 +273,7 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
                                 description="waiting for other workers" if not detail["left"]
                                 and not detail["expired"] else "")
 
-        _run_workers(work, db_url, l2, force, lease_s, report)
+        _run_workers(work, db_url, l2, force, lease_s, report, shapes)
     elapsed = time.perf_counter() - started
     for key in keys:  # finished by other workers, or stored already
         outcomes.setdefault(key.model_dump_json(), ("skipped", key.model_dump_json(), None))

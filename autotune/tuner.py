@@ -51,22 +51,24 @@ _TARGET_THREADS = 65536
 
 
 def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
-    """The configs worth timing at ``key``: two group counts K around the
-    shape's sweet spot; for DSplit, per K the two slice counts whose CTAs come
-    closest to 128 threads, and DSplit also at the fewest groups that take a
-    row's partials in one 16-deep round, where that is below both Ks (at D =
-    128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at K = 64
-    or 128). Besides, every DSplit config whose item is one warp (lanes x K =
-    32; they run four or eight to a CTA with no barrier). KvSplit K = 1 always stays.
-    Every DSplit config kept is timed in 4-deep rounds, and where a group
-    holds more than 4 partials in 16-deep rounds as well (:func:`dsplit_depths`).
-    Median 15 candidates a key over the shipped H200 grid (13 over the
-    adapters' grid, 17 over the unseen shapes of benchmarks/bench_dispatch.py),
-    at most 21."""
+    """The configs worth timing at ``key``: three group counts K at and below
+    the shape's sweet spot; for DSplit, per K the two slice counts whose CTAs
+    come closest to 128 threads, and DSplit also at the fewest groups that
+    take a row's partials in one 16-deep round, where that is below those Ks
+    (at D = 128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at
+    K = 64 or 128). Besides, every DSplit config whose item is one warp
+    (lanes x K = 32; they run four or eight to a CTA with no barrier).
+    KvSplit K = 1 always stays. Each DSplit config is timed at the round
+    depths of :func:`dsplit_depths`. Median 17 candidates a key over the
+    shipped H200 grid (15 over the adapters' grid, 18 over the unseen shapes
+    of benchmarks/bench_dispatch.py), at most 25 over those keys."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
-    ks = {k_hi, k_hi // 2} - {0}
+    # Since the 8- and 16-deep kernels hold a round in registers, the best DSplit K is
+    # mostly one to three halvings below the sweet spot (55 of the 67 shapes of
+    # benchmarks/bench_dispatch.py on the H200; at the 12 others KvSplit or K = k_hi).
+    ks = {k_hi, k_hi // 2, k_hi // 4} - {0}
     # DSplit also at the fewest groups that take a row in one 16-deep round, below those.
     one_round = 1 << max(0, math.ceil(math.log2(math.ceil(key.num_splits / 16))))
     dsplit_ks = ks | ({one_round} if one_round < min(ks) else set())
@@ -91,20 +93,23 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
 
 
 def dsplit_depths(per_group: int) -> set[int]:
-    """The round depths timed for DSplit groups of ``per_group`` partials: 4, and 16 past 4.
+    """The round depths timed for DSplit groups of ``per_group`` partials.
 
-    Measured on the H200 with the lean combine (build 7a05540356e771de, every
-    valid config at the 67 shapes of benchmarks/bench_dispatch.py, bf16
-    maxsum; docs/benchmarks.md): against the 8-deep round of the same slices
-    and K, the 4-deep one took a median 1.00x of its time where a group has
-    at most 4 partials, 0.98x with 5-8, 0.97x with 9-16 and 0.91x past 16;
-    the 16-deep one 1.26x, 1.02x, 1.00x and 0.82x, but up to 10 % less than
-    both at a tenth of the configs with 5-16 partials. Timing 4- and 16-deep
-    rounds, not 8-deep ones, gave the same candidate counts as the rule
-    before it (8-deep from 5 partials, 16-deep past 8) and cut the regret of
-    the pruning on those shapes from 0.49 % / 2.7 % worst (grid) and 1.30 %
-    / 7.8 % (unseen) to 0.17 % / 2.4 % and 0.10 % / 2.3 %."""
-    return {4} if per_group <= 4 else {4, 16}
+    8-deep up to 8 partials; 4-, 8- and 16-deep with 9-16; 8- and 16-deep past 16.
+    Measured on the H200 once the 8- and 16-deep kernels got the registers to
+    issue a whole round at once (merge_dsplit.cuh; every valid config at the
+    67 shapes of benchmarks/bench_dispatch.py, bf16 maxsum; docs/benchmarks.md):
+    with at most 8 partials a group the 8-deep round (one round trip, 90-110
+    registers) was as fast as or faster than the 4-deep one (64) wherever it
+    mattered; with 9-16 each depth won somewhere (4-deep where many CTAs
+    compete for an SM's registers); past 16 the 4-deep one never won. With the
+    K rule of :func:`prune`, this left an offline regret of 0.04 % geomean /
+    0.99 % worst over the grid and 0.03 % / 0.71 % over the unseen shapes,
+    against 0.65 % / 5.5 % and 0.31 % / 3.5 % for the rule before it (4-deep,
+    and 16-deep past 4 partials, at two Ks)."""
+    if per_group <= 8:
+        return {8}
+    return {4, 8, 16} if per_group <= 16 else {8, 16}
 
 
 def simplicity(config: KernelConfig) -> tuple[int, int, int, int]:
@@ -205,16 +210,34 @@ def _failed(candidate: Candidate) -> CandidateResult:
 
 def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: str = "warm",
          noise_margin: float = NOISE_MARGIN, batch: int = 12, replays: int = 11,
-         pruned: bool = True) -> TuningRecord:
+         pruned: bool = True, shape: tuple[int, int] | None = None) -> TuningRecord:
     """Profile ``configs`` (pruned on GPUs unless ``pruned=False``) for ``key`` on ``device``;
     return the record (not stored). KvSplit K = 1, the reference, is always timed.
+
+    ``shape`` is the (rows, num_splits) to profile, at most the key's own
+    values: the call that asked for the key, or the values a grid named. By
+    default the key's own values, the upper ends of its buckets. The record is keyed by ``key``
+    either way. (On the H200 the best config can change within a bucket: at
+    D = 512, 64 rows the 8-deep P2xK8 was 8 % faster than P8xK4d16 at N = 132,
+    level with it at 144, the upper end of that bucket.)
 
     Raises
     ------
     NoWorkingCandidate
         K = 1 (the reference) raised, or no candidate could be timed.
+    ValueError
+        ``shape`` exceeds the key's values (or is not positive).
     """
     is_cuda = device.type == "cuda"
+    record_key = key
+    if shape is not None:
+        rows, num_splits = shape
+        if not (0 < rows <= key.rows and 0 < num_splits <= key.num_splits):
+            raise ValueError(f"shape (rows={rows}, num_splits={num_splits}) exceeds the key's "
+                             f"buckets (rows={key.rows}, num_splits={key.num_splits})")
+        key = key.model_copy(update={"rows": rows, "num_splits": num_splits})
+        # The key's configs, less those with more groups than this shape has partials.
+        configs = [c for c in configs if c.kv_split <= num_splits]
     configs = prune(configs, key) if pruned and is_cuda else list(configs)
     if BASELINE not in configs:
         configs.insert(0, BASELINE)
@@ -229,7 +252,7 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
         try:
             reference = scratch.run(scratch.plan(BASELINE)).float().clone()
         except Exception as error:  # noqa: BLE001 - reported to the caller as one clear error
-            raise NoWorkingCandidate(f"no candidate config works for {key.choice_key}: kv_split=1, "
+            raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: kv_split=1, "
                                      f"the reference, raised {type(error).__name__}: {error}") from error
         timings: dict[Candidate, Timing] = {}
         results = []
@@ -241,13 +264,13 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
                 got = scratch.run(plans[candidate]).float()
             except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
                 log.warning("kvsplit: %s raised for %s (%s: %s); recorded as failed",
-                            candidate.label, key.choice_key, type(error).__name__, error)
+                            candidate.label, record_key.choice_key, type(error).__name__, error)
                 continue
             error = ((got - reference).norm() / reference.norm().clamp_min(1e-30)).item()
             matched[candidate] = math.isfinite(error) and error <= _MATCH_TOLERANCE
             if not matched[candidate]:
                 log.warning("kvsplit: %s disagrees with kv_split=1 for %s (relative error %.3g); "
-                            "disqualified", candidate.label, key.choice_key, error)
+                            "disqualified", candidate.label, record_key.choice_key, error)
         measured = _measure([c for c in configs if c in matched], scratch, plans, key,
                             is_cuda=is_cuda, batch=max(batch, copies), replays=replays)
         for candidate in configs:
@@ -261,10 +284,10 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
                                            p10_us=timing.p10_us, p90_us=timing.p90_us,
                                            samples=timing.samples, matched=matched[candidate]))
     if not timings:
-        raise NoWorkingCandidate(f"no candidate config works for {key.choice_key}: every one raised "
+        raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: every one raised "
                                  f"or disagreed with kv_split=1")
     winner = pick_winner(timings, noise_margin)
-    return TuningRecord(key=key, winner=winner,
+    return TuningRecord(key=record_key, winner=winner,
                         policy=TuningPolicy(l2_state=l2_state, repeats=replays,
                                             noise_margin=noise_margin),
                         candidates=results, tool_version=tool_version())

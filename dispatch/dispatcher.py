@@ -305,9 +305,9 @@ class Dispatcher:
         if capturing:
             pending_keys.add(key)
             return Decision(constrained(fallback), "capture", key)
-        return self._tune(facts, device, key, db_url, constrained, fallback)
+        return self._tune(facts, device, key, (rows, num_splits), db_url, constrained, fallback)
 
-    def _tune(self, facts, device, key, db_url, constrained, fallback) -> Decision:
+    def _tune(self, facts, device, key, shape, db_url, constrained, fallback) -> Decision:
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # concurrent callers of one key profile it once
@@ -322,7 +322,9 @@ class Dispatcher:
                      "(`kvsplit tune` ahead of time, or KVSPLIT_MODE=cached, avoids this)",
                      len(configs), " (before pruning)" if facts.is_cuda else "", key.choice_key)
             try:
-                record = tuner.tune(key, device, configs=configs)
+                # Profiled at this call's own shape, which the record then serves for the
+                # whole bucket.
+                record = tuner.tune(key, device, configs=configs, shape=shape)
             except tuner.NoWorkingCandidate as error:
                 warnings.warn(f"kvsplit: {error}; calls of this shape use the heuristic config "
                               f"{fallback.label}", RuntimeWarning, stacklevel=2)

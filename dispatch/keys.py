@@ -11,8 +11,10 @@ fraction of the power of two at or above it:
 The DSplit family's best group count follows rows and num_splits closely
 (groups of a few partials, ~64K threads in all): half-octave buckets cost up
 to 12 % on an H200 at shapes the tuning grid did not see.
-The tuner profiles the bucket's own value (its upper end), and the
-constraints are always re-applied with the caller's exact shape.
+A key is profiled at the shape that asked for it: the first call of that
+bucket at first use, the grid's own values in `kvsplit tune` (the buckets'
+upper ends only for keys met during CUDA-graph capture, whose shapes are not
+kept). The constraints are always re-applied with the caller's exact shape.
 
 Layout class: a call whose stats of adjacent rows are not adjacent in memory
 (a head-major LSE: vLLM, FlashAttention) reads one 32-byte sector per row

@@ -175,11 +175,21 @@ def test_tune_table_for_people(env):
 
 
 def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
-    # 7 and 8 splits share bucket 8: one key, the one a call with 7 splits looks up.
+    # 7 and 8 splits share bucket 8: one key, the one a call with 7 splits looks up,
+    # profiled at the first of them.
+    profiled = []
+    real = tuner.tune
+
+    def spy(key, device, configs, **kwargs):
+        profiled.append(kwargs.get("shape"))
+        return real(key, device, configs, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", spy)
     summary = json.loads(kvsplit("tune", "--devices", "cpu", "--head-dim", "64",
                                  "--num-splits", "7,8", "--rows", "3", "--json").stdout)
     assert (summary["keys"], summary["tuned"]) == (1, 1)
     assert [r.key for r in stored(env.url)] == [cpu_key(64, 8, 3)]
+    assert profiled == [(3, 7)]
 
     # A merge of a grid shape is a database hit: no profiling in the call.
     def forbidden(*args, **kwargs):

@@ -45,5 +45,5 @@ def test_the_shipped_tables_replay_within_the_documented_regret():
     # Candidates a table never timed (none, for tables tuned with the present rule) are
     # unknown; the replay judges the rule by the ones that were timed.
     assert result["records"] == len(records) and result["unknown"] < sum(result["kept"]) / 4
-    assert max(result["kept"]) <= 22
+    assert max(result["kept"]) <= 25
     assert max(result["regrets"]) < 0.02

@@ -114,11 +114,12 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     pruned = candidates(key, max_split=max_split, is_cuda=is_cuda)
     assert kvsplit_config(1) in pruned and set(pruned) <= set(everything)
     if is_cuda:  # few enough to time within the first-use budget
-        # every one-warp item, and at most 16 others: K = 1, two Ks of each family and DSplit
+        # every one-warp item, and at most 18 others: K = 1, three Ks of each family and DSplit
         # at the fewest groups that take a row in one 16-deep round; every DSplit config
-        # 4-deep, and past 4 partials a group 16-deep as well
+        # 8-deep up to 8 partials a group, 4-, 8- and 16-deep with 9-16, 8- and 16-deep past
         def depths(c):
-            return {4, 16} if -(-num_splits // c.kv_split) > 4 else {4}
+            per_group = -(-num_splits // c.kv_split)
+            return {8} if per_group <= 8 else {4, 8, 16} if per_group <= 16 else {8, 16}
 
         assert all(c.depth in depths(c) for c in pruned if c.family == "dsplit")
         one_warp = {c for c in everything if c.family == "dsplit"
@@ -127,14 +128,14 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
         others = [c for c in pruned if c not in one_warp]
         one_round = next(k for k in (1 << i for i in range(12)) if k * 16 >= num_splits)
         ks = {c.kv_split for c in others if c.kv_split > 1}
-        extra = {one_round} if len(ks) == 3 else set()
-        assert len(ks) <= 3 and (not extra or one_round == min(ks))
+        extra = {one_round} if len(ks) == 4 else set()
+        assert len(ks) <= 4 and (not extra or one_round == min(ks))
         ks -= extra
         assert not ks or max(ks) <= max(1, num_splits // 2)
         # per K of DSplit, at most two slice counts
         for k in {c.kv_split for c in others if c.family == "dsplit"}:
             assert len({c.slices for c in others if c.family == "dsplit" and c.kv_split == k}) <= 2
-        assert len(others) <= 16
+        assert len(others) <= 18
     else:
         assert pruned == everything
 
@@ -146,20 +147,22 @@ def one_warp_item(config, head_dim, dtype):
 
 @pytest.mark.parametrize("head_dim, rows, num_splits, kept", [
     # (D, rows, N) -> the fastest config of every valid one at that shape, bf16 maxsum, in
-    # benchmarks/bench_dispatch.py on the H200 (build 7a05540356e771de, the lean combine)
-    (512, 64, 264, KernelConfig.dsplit(4, 16, 4)),  # 4-deep past 16 partials a group
-    (128, 256, 264, KernelConfig.dsplit(1, 16, 4)),
-    (128, 32, 132, KernelConfig.dsplit(2, 32, 4)),
-    (512, 300, 200, KernelConfig.dsplit(2, 4, 16)),  # 16-deep: 50 partials a group
-    (128, 1000, 100, KernelConfig.dsplit(2, 4, 16)),
-    (128, 40, 20, KernelConfig.dsplit(2, 4, 16)),  # 16-deep even at 5 partials a group
-    (512, 1000, 48, KernelConfig.dsplit(4, 2, 4)),
-    (512, 512, 132, kvsplit_config(4)),
+    # benchmarks/bench_dispatch.py on the H200 (8- and 16-deep kernels of up to 128 registers)
+    (512, 64, 132, KernelConfig.dsplit(2, 8, 8)),  # two halvings below the sweet spot
+    (512, 64, 264, KernelConfig.dsplit(2, 8, 16)),
+    (512, 128, 16, KernelConfig.dsplit(2, 1, 16)),  # one-warp items, a 16-deep round
+    (512, 128, 64, KernelConfig.dsplit(4, 2, 16)),
+    (512, 512, 132, KernelConfig.dsplit(4, 2, 16)),
+    (512, 300, 200, KernelConfig.dsplit(2, 4, 8)),  # 8-deep past 16 partials a group
+    (512, 1000, 48, KernelConfig.dsplit(2, 1, 16)),
+    (128, 32, 16, KernelConfig.dsplit(2, 4, 8)),  # 8-deep at 4 partials a group
+    (128, 32, 64, KernelConfig.dsplit(2, 16, 8)),
+    (128, 256, 264, KernelConfig.dsplit(1, 16, 16)),
+    (128, 1000, 100, KernelConfig.dsplit(1, 2, 16)),
+    (512, 40, 20, KernelConfig.dsplit(8, 4, 8)),
     (512, 2048, 32, kvsplit_config(1)),
     (128, 2048, 32, kvsplit_config(4)),
-    (512, 128, 64, kvsplit_config(8)),
-    (512, 40, 20, KernelConfig.dsplit(8, 4, 16)),  # one-warp items
-    (128, 32, 16, KernelConfig.dsplit(4, 8, 4)),  # 0.5 % behind P2xK4d16, which is not timed
+    (128, 32, 264, KernelConfig.dsplit(2, 32, 8)),  # 1 % behind P2xK16d16, which is not timed
 ])
 def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
     key = TuningKey(device=DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132),
@@ -167,7 +170,7 @@ def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
                     out_dtype="bfloat16", stats_format="maxsum", num_splits=num_splits, rows=rows)
     pruned = candidates(key)
     assert kept in pruned
-    assert len(pruned) <= 21 and len(pruned) <= len(candidates(key, pruned=False)) / 2
+    assert len(pruned) <= 25 and len(pruned) <= len(candidates(key, pruned=False)) / 2
 
 
 # -- the winner rule --------------------------------------------------------------------------
@@ -249,6 +252,27 @@ def test_tune_records_its_policy_and_respects_max_split():
     assert record.policy.l2_state == "cold" and record.policy.noise_margin == 0.1
     assert record.policy.repeats == 3
     assert record.winner.kv_split in (1, 2, 4)
+
+
+def test_tune_profiles_the_shape_it_is_given_under_the_key(monkeypatch):
+    """``shape`` sets the scratch that is timed (rows, num_splits); the record keeps the key."""
+    made = []
+    real = tuner.random_partials
+
+    def spy(num_splits, rows, head_dim, **kwargs):
+        made.append((rows, num_splits))
+        return real(num_splits, rows, head_dim, **kwargs)
+
+    monkeypatch.setattr(tuner, "random_partials", spy)
+    key = cpu_key(64, 16, 40)
+    record = tune(key, CPU, replays=3, shape=(33, 13))
+    assert made == [(33, 13)] and record.key == key
+    assert {c.config.kv_split for c in record.candidates} == {1, 2, 4, 8}  # K <= 13 partials
+    tune(key, CPU, replays=3)
+    assert made[-1] == (40, 16)  # by default, the key's own values
+    for bad in ((41, 16), (40, 17), (0, 16)):
+        with pytest.raises(ValueError, match="exceeds the key's buckets"):
+            tune(key, CPU, replays=3, shape=bad)
 
 
 def test_tune_measures_the_kv_split_it_records_whatever_the_environment(monkeypatch):

@@ -117,6 +117,21 @@ def test_auto_tunes_once_then_a_call_is_a_dictionary_hit(monkeypatch, call, tune
     assert len(tuner_calls.keys) == 1
 
 
+def test_first_use_profiles_the_calls_own_shape(monkeypatch, call, keys):
+    """The key is the bucket (rows 9 -> 10, num_splits 13 -> 16); the tuner times the call's shape."""
+    seen = []
+    real = tuner.tune
+
+    def spy(key, device, **kwargs):
+        seen.append((key, kwargs.get("shape")))
+        return real(key, device, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", spy)
+    _, decision = call(num_splits=13, rows=9)
+    assert decision.source == "tuned"
+    assert seen == [(keys.key_for(64, 16, 10), (9, 13))] and decision.record.key == seen[0][0]
+
+
 def test_invalid_mode_is_a_value_error_naming_the_variable(monkeypatch, merge_kit):
     gen = merge_kit.generator("bad mode")
     partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)

@@ -59,8 +59,8 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     K = 64 or 128). Besides, every DSplit config whose item is one warp
     (lanes x K = 32; they run four or eight to a CTA with no barrier).
     KvSplit K = 1 always stays. Each DSplit config is timed at the round
-    depths of :func:`dsplit_depths`. Median 17 candidates a key over the
-    shipped H200 grid (15 over the adapters' grid, 18 over the unseen shapes
+    depths of :func:`dsplit_depths`. Median 18 candidates a key over the
+    shipped H200 grid (16 over the adapters' grid, 18 over the unseen shapes
     of benchmarks/bench_dispatch.py), at most 25 over those keys."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
@@ -84,18 +84,19 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
             if c.kv_split == 1 or c.kv_split in ks:
                 kept.append(c)
             continue
-        if c.depth not in dsplit_depths(math.ceil(key.num_splits / c.kv_split)):
-            continue
         one_warp = vectors // c.slices * c.kv_split == 32
+        if c.depth not in dsplit_depths(math.ceil(key.num_splits / c.kv_split), one_warp):
+            continue
         if one_warp or (c.kv_split in dsplit_ks and c.slices in slices[c.kv_split]):
             kept.append(c)
     return kept
 
 
-def dsplit_depths(per_group: int) -> set[int]:
+def dsplit_depths(per_group: int, one_warp: bool = False) -> set[int]:
     """The round depths timed for DSplit groups of ``per_group`` partials.
 
-    8-deep up to 8 partials; 4-, 8- and 16-deep with 9-16; 8- and 16-deep past 16.
+    8-deep up to 8 partials (and 4-deep as well for items of one warp); 4-, 8-
+    and 16-deep with 9-16; 8- and 16-deep past 16.
     Measured on the H200 once the 8- and 16-deep kernels got the registers to
     issue a whole round at once (merge_dsplit.cuh; every valid config at the
     67 shapes of benchmarks/bench_dispatch.py, bf16 maxsum; docs/benchmarks.md):
@@ -106,9 +107,13 @@ def dsplit_depths(per_group: int) -> set[int]:
     K rule of :func:`prune`, this left an offline regret of 0.04 % geomean /
     0.99 % worst over the grid and 0.03 % / 0.71 % over the unseen shapes,
     against 0.65 % / 5.5 % and 0.31 % / 3.5 % for the rule before it (4-deep,
-    and 16-deep past 4 partials, at two Ks)."""
+    and 16-deep past 4 partials, at two Ks). One-warp items with up to 8
+    partials a group are timed 4-deep as well: at 2048 rows of D = 128, N =
+    16, P1xK2 4-deep took 3.26 us against 3.44 for the tuner's KvSplit K2
+    with 8-deep one-warp candidates only (LSE, bench_peers), because the
+    4-deep kernel's 64 registers let more of its CTAs share an SM."""
     if per_group <= 8:
-        return {8}
+        return {4, 8} if one_warp else {8}
     return {4, 8, 16} if per_group <= 16 else {8, 16}
 
 

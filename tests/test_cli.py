@@ -7,6 +7,7 @@ first one's tuning. Every test has its own database and pending file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -201,6 +202,30 @@ def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
     decision = dispatch_module.dispatcher.explain(device_facts(torch.device("cpu")), 64,
                                                   torch.bfloat16, torch.bfloat16, 0, 7, 3)
     assert decision.source == "database"
+
+
+def test_tune_spins_a_gpu_up_once_before_its_first_key(env, monkeypatch):
+    """A CUDA worker keeps its GPU busy before it times anything, once a run; a CPU one never.
+    (The GPU is faked: the tuner is stubbed, so no kernel runs.)"""
+    from kvsplit.autotune import cli as tune_cli
+    from kvsplit.autotune import timing
+
+    events = []
+    monkeypatch.setattr(timing, "spin_up_gpu", lambda: events.append("spin"))
+    monkeypatch.setattr(torch.cuda, "device", lambda target: contextlib.nullcontext())
+    real = tuner.tune
+
+    def stub(key, device, configs, **kwargs):
+        events.append(("tune", device.type))
+        return real(key, torch.device("cpu"), configs, replays=1, **kwargs)
+
+    monkeypatch.setattr(tuner, "tune", stub)
+    keys = [cpu_key(64, n, 4).model_dump_json() for n in (8, 16)]
+    tune_cli._work("cuda:0", keys, env.url, "warm", False, 30.0, lambda message: None)
+    assert events == ["spin", ("tune", "cuda"), ("tune", "cuda")]
+    events.clear()
+    tune_cli._work("cpu", keys, env.url, "warm", True, 30.0, lambda message: None)
+    assert events == [("tune", "cpu"), ("tune", "cpu")]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -116,10 +116,13 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     if is_cuda:  # few enough to time within the first-use budget
         # every one-warp item, and at most 18 others: K = 1, three Ks of each family and DSplit
         # at the fewest groups that take a row in one 16-deep round; every DSplit config
-        # 8-deep up to 8 partials a group, 4-, 8- and 16-deep with 9-16, 8- and 16-deep past
+        # 8-deep up to 8 partials a group (one-warp items 4-deep as well), 4-, 8- and 16-deep
+        # with 9-16, 8- and 16-deep past
         def depths(c):
             per_group = -(-num_splits // c.kv_split)
-            return {8} if per_group <= 8 else {4, 8, 16} if per_group <= 16 else {8, 16}
+            if per_group <= 8:
+                return {4, 8} if one_warp_item(c, head_dim, dtype) else {8}
+            return {4, 8, 16} if per_group <= 16 else {8, 16}
 
         assert all(c.depth in depths(c) for c in pruned if c.family == "dsplit")
         one_warp = {c for c in everything if c.family == "dsplit"
@@ -156,6 +159,7 @@ def one_warp_item(config, head_dim, dtype):
     (512, 300, 200, KernelConfig.dsplit(2, 4, 8)),  # 8-deep past 16 partials a group
     (512, 1000, 48, KernelConfig.dsplit(2, 1, 16)),
     (128, 32, 16, KernelConfig.dsplit(2, 4, 8)),  # 8-deep at 4 partials a group
+    (128, 2048, 16, KernelConfig.dsplit(1, 2, 4)),  # one-warp items 4-deep at 8 partials
     (128, 32, 64, KernelConfig.dsplit(2, 16, 8)),
     (128, 256, 264, KernelConfig.dsplit(1, 16, 16)),
     (128, 1000, 100, KernelConfig.dsplit(1, 2, 16)),

@@ -230,9 +230,9 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
 
     Rows and num_splits are bucketed as the dispatcher does, so the grid fills
     exactly the keys that calls will look up; each key is profiled at the
-    grid's own values that fall in it (the first, if several). Resumable: keys already stored
-    are skipped unless --force; a stored row that does not parse is tuned
-    again (with a warning). Exits 1 if any key failed, 3 on a database problem.
+    grid's own values that fall in it (the first, if several). Resumable:
+    keys already stored are skipped unless --force; a stored row that does
+    not parse is tuned again (with a warning). Exits 1 if any key failed, 3 on a database problem.
 
     Fleet: run the same command on any number of hosts against one --db URL
     (PostgreSQL). Each worker claims a key before it tunes it, so every key

@@ -221,8 +221,8 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
 
     ``shape`` is the (rows, num_splits) to profile, at most the key's own
     values: the call that asked for the key, or the values a grid named. By
-    default the key's own values, the upper ends of its buckets. The record is keyed by ``key``
-    either way. (On the H200 the best config can change within a bucket: at
+    default the key's own values, the upper ends of its buckets. The record
+    is keyed by ``key`` either way. (On the H200 the best config can change within a bucket: at
     D = 512, 64 rows the 8-deep P2xK8 was 8 % faster than P8xK4d16 at N = 132,
     level with it at 144, the upper end of that bucket.)
 
@@ -257,8 +257,9 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
         try:
             reference = scratch.run(scratch.plan(BASELINE)).float().clone()
         except Exception as error:  # noqa: BLE001 - reported to the caller as one clear error
-            raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: kv_split=1, "
-                                     f"the reference, raised {type(error).__name__}: {error}") from error
+            raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: "
+                                     f"kv_split=1, the reference, raised "
+                                     f"{type(error).__name__}: {error}") from error
         timings: dict[Candidate, Timing] = {}
         results = []
         matched = {}
@@ -289,8 +290,8 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
                                            p10_us=timing.p10_us, p90_us=timing.p90_us,
                                            samples=timing.samples, matched=matched[candidate]))
     if not timings:
-        raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: every one raised "
-                                 f"or disagreed with kv_split=1")
+        raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: "
+                                 f"every one raised or disagreed with kv_split=1")
     winner = pick_winner(timings, noise_margin)
     return TuningRecord(key=record_key, winner=winner,
                         policy=TuningPolicy(l2_state=l2_state, repeats=replays,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import itertools
 import math
 import multiprocessing
 import time
@@ -137,15 +138,10 @@ def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows) -> tuple[
 
     models = list(dict.fromkeys(device_facts(t) for t in targets))
     shapes: dict = {}
-    for d in head_dims:
-        for dtype in dtypes:
-            for fmt in formats:
-                for n in num_splits:
-                    for r in rows:
-                        for facts in models:
-                            key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype,
-                                             _OUT_DTYPE[dtype], fmt, n, r)
-                            shapes.setdefault(key, (r, n))
+    for d, dtype, fmt, n, r, facts in itertools.product(head_dims, dtypes, formats, num_splits,
+                                                         rows, models):
+        key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
+        shapes.setdefault(key, (r, n))
     return list(shapes), {key.model_dump_json(): shape for key, shape in shapes.items()}
 
 

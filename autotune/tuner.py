@@ -241,8 +241,11 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
             raise ValueError(f"shape (rows={rows}, num_splits={num_splits}) exceeds the key's "
                              f"buckets (rows={key.rows}, num_splits={key.num_splits})")
         key = key.model_copy(update={"rows": rows, "num_splits": num_splits})
-        # The key's configs, less those with more groups than this shape has partials.
-        configs = [c for c in configs if c.kv_split <= num_splits]
+        # Of the key's configs, those the dispatcher's rules allow at this shape.
+        from ..dispatch.constraints import configs_for_key  # here: dispatch imports the tuner
+
+        allowed = set(configs_for_key(key, is_cuda=is_cuda))
+        configs = [c for c in configs if c in allowed]
     configs = prune(configs, key) if pruned and is_cuda else list(configs)
     if BASELINE not in configs:
         configs.insert(0, BASELINE)

@@ -104,27 +104,11 @@ void butterfly(std::vector<MergeState<kHeadDim>>& states, int base, int width) {
   }
 }
 
-// Warp 0's fold of `count` totals (total w parked at slots w * lanes + j):
-// position q (lanes q * lanes.. of warp 0, G = 32 / lanes positions) folds
-// totals q, q + G, ... into an empty state, and a butterfly joins the positions.
-template <int kHeadDim>
-MergeState<kHeadDim> fold_totals(const std::vector<MergeState<kHeadDim>>& totals, int positions) {
-  std::vector<MergeState<kHeadDim>> folded(positions);
-  for (int q = 0; q < positions; ++q) {
-    folded[q].reset();
-    for (size_t w = q; w < totals.size(); w += positions) {
-      folded[q].combine(totals[w].m, totals[w].l, totals[w].acc, 1);
-    }
-  }
-  butterfly(folded, 0, positions);
-  return folded[0];
-}
-
 // Folds the groups into groups[0] in the kernel's order. KvSplit: group 0
-// adds 1..K-1 in turn. DSplit: in each CTA of the item, a butterfly among the
-// groups of each warp, and with several warps warp 0's fold of their totals
-// (fold_totals); in a cluster, the first CTA's warp 0 folds the CTAs' totals
-// the same way.
+// adds 1..K-1 in turn. DSplit: a butterfly among the groups of each warp;
+// with several warps, position q of warp 0 folds the totals of warps q,
+// q + G, ... (G groups per warp) into an empty state, and a butterfly joins
+// the positions.
 template <int kHeadDim>
 void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelConfig& config,
                     int lanes) {
@@ -133,23 +117,20 @@ void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelConfi
     for (int g = 1; g < k; ++g) groups[0].combine(groups[g].m, groups[g].l, groups[g].acc, 1);
     return;
   }
-  const int cluster = dsplit_cluster(lanes * k);
-  const int cta_groups = k / cluster;
-  const int per_warp = std::min(cta_groups, 32 / lanes);
-  const int warps = cta_groups / per_warp;
-  std::vector<MergeState<kHeadDim>> cta_totals(cluster);
-  for (int rank = 0; rank < cluster; ++rank) {
-    const int base = rank * cta_groups;
-    for (int w = 0; w < warps; ++w) butterfly(groups, base + w * per_warp, per_warp);
-    if (warps == 1) {
-      cta_totals[rank] = groups[base];
-      continue;
+  const int per_warp = std::min(k, 32 / lanes);
+  const int warps = k / per_warp;
+  for (int w = 0; w < warps; ++w) butterfly(groups, w * per_warp, per_warp);
+  if (warps == 1) return;
+  std::vector<MergeState<kHeadDim>> positions(per_warp);
+  for (int q = 0; q < per_warp; ++q) {
+    positions[q].reset();
+    for (int w = q; w < warps; w += per_warp) {
+      const auto& total = groups[w * per_warp];
+      positions[q].combine(total.m, total.l, total.acc, 1);
     }
-    std::vector<MergeState<kHeadDim>> warp_totals;
-    for (int w = 0; w < warps; ++w) warp_totals.push_back(groups[base + w * per_warp]);
-    cta_totals[rank] = fold_totals(warp_totals, per_warp);
   }
-  groups[0] = cluster == 1 ? cta_totals[0] : fold_totals(cta_totals, 32 / lanes);
+  butterfly(positions, 0, per_warp);
+  groups[0] = positions[0];
 }
 
 template <int kHeadDim, DType kPartial, DType kOut>

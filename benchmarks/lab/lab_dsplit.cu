@@ -22,8 +22,6 @@ extern "C" int lab_dsplit(const kvsplit::MergeParams* params, int slices, int kv
       kvsplit::launch_dsplit_typed<kvsplit::DType::kBFloat16, kvsplit::DType::kBFloat16,
                                    kvsplit::StatsFormat::kLse>(p, config, false,
                                                                static_cast<cudaStream_t>(stream));
-  // A failed CUDA call: 1000 + its cudaError_t.
-  if (status.error == kvsplit::Error::kCuda) return 1000 + static_cast<int>(status.detail);
   return status.ok() ? 0 : static_cast<int>(status.error);
 }
 

@@ -56,25 +56,13 @@ VARIANTS = {
     # to 128 for every depth, the 4-deep kernel too (regs4)
     "regs64": "-DKVSPLIT_DSPLIT_ROOMY_DEPTH=32",
     "regs4": "-DKVSPLIT_DSPLIT_ROOMY_DEPTH=4",
-    # items of more than 256 (128) threads span clusters of CTAs of 256 (128) threads
-    # instead of 512 (dsplit_geometry.h)
-    "cta256": "-DKVSPLIT_DSPLIT_CTA_THREADS=256",
-    "cta128": "-DKVSPLIT_DSPLIT_CTA_THREADS=128",
 }
-# Threads of one CTA of a clustered item, per variant (the product: 512).
-CTA_THREADS = {"cta256": 256, "cta128": 128}
 # Variants whose lanes load fewer bytes of a row per partial than the product's 16.
 LANE_BYTES = {"lane8": 8, "lane4": 4}
 VARIANTS.update({name: f"-DKVSPLIT_DSPLIT_LANE_BYTES={b}" for name, b in LANE_BYTES.items()})
 # 8-byte lanes with every kernel at 64 registers (lane8 has the product's register bounds)
 VARIANTS["lane8regs64"] = VARIANTS["lane8"] + " " + VARIANTS["regs64"]
 LANE_BYTES["lane8regs64"] = 8
-
-
-def item_threads(head_dim: int, key) -> int:
-    """Threads of one item of the timed config ``key`` (variant, slices, kv_split, depth)."""
-    variant, slices, kv_split = key[:3]
-    return head_dim * 2 // (lane_bytes(variant) * slices) * kv_split
 
 
 def lane_bytes(variant: str) -> int:
@@ -85,23 +73,19 @@ def lane_bytes(variant: str) -> int:
 SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
 SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
           (512, 64, 64), (128, 32, 264), (512, 64, 132), (512, 128, 16), (512, 2048, 16),
-          (128, 2048, 16), (128, 2048, 32), (128, 32, 132), (128, 256, 132), (512, 64, 264),
-          (512, 128, 132), (128, 256, 264)]
+          (128, 2048, 16), (128, 2048, 32)]
 
 
-def configs(head_dim: int, num_splits: int, elem_bytes: int = 2, lane_bytes: int = 16,
-            cta_threads: int = 512):
-    """DSplit (slices, kv_split, depth, lanes) legal by config.h (items of up to 8 CTAs of
-    ``cta_threads`` in a cluster), kv_split <= N, depths 8 and 16 only where a group has
-    more than 4 partials."""
+def configs(head_dim: int, num_splits: int, elem_bytes: int = 2, lane_bytes: int = 16):
+    """DSplit (slices, kv_split, depth, lanes) legal by config.h, kv_split <= N,
+    depths 8 and 16 only where a group has more than 4 partials."""
     found = []
     for slices in (1, 2, 4, 8, 16):
         lanes = head_dim * elem_bytes // (lane_bytes * slices)
         if lanes < 4 or lanes > 32:
             continue
-        for kv_split in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            if (not 32 <= lanes * kv_split <= 8 * cta_threads
-                    or kv_split > max(num_splits, 32 // lanes)):
+        for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
+            if not 32 <= lanes * kv_split <= 512 or kv_split > max(num_splits, 32 // lanes):
                 continue
             per_group = -(-num_splits // kv_split)
             for depth in [d for d in (4, 8, 16) if d == 4 or per_group > 4]:
@@ -161,8 +145,8 @@ def main() -> int:
                      if n in os.environ.get("LAB_VARIANTS", ",".join(VARIANTS)).split(",")])
     timing.spin_up_gpu()
     record = {}
-    best_lines = ["| D / rows / N | read | serial Triton | product, one CTA an item | "
-                  + " | ".join(libs) + " |", "|---" * (4 + len(libs)) + "|"]
+    best_lines = ["| D / rows / N | read | serial Triton | " + " | ".join(libs) + " |",
+                  "|---" * (3 + len(libs)) + "|"]
     split_lines = ["| D / rows / N | config (grid x block) | read | empty | "
                    + " | ".join(libs) + " |", "|---" * (4 + len(libs)) + "|"]
     for head_dim, rows, num_splits in SHAPES:
@@ -176,9 +160,8 @@ def main() -> int:
             runs[("triton", warps)] = (lambda w: lambda i: peers.triton_merge(
                 o, lse, out, num_warps=w))(warps)
         for name, lib in libs.items():
-            for slices, kv_split, depth, lanes in configs(
-                    head_dim, num_splits, lane_bytes=lane_bytes(name),
-                    cta_threads=CTA_THREADS.get(name, 512)):
+            for slices, kv_split, depth, lanes in configs(head_dim, num_splits,
+                                                          lane_bytes=lane_bytes(name)):
                 run = dsplit_run(lib, p, slices, kv_split, depth)
                 run(0)
                 torch.cuda.synchronize()
@@ -189,15 +172,13 @@ def main() -> int:
                  timing.time_cuda_graphs(runs, batch=64, replays=11).items()}
         record[shape] = {" ".join(map(str, key)): value for key, value in times.items()}
 
-        def best(prefix, most_threads=4096):
-            keys = [key for key in times if key[0] == prefix and (
-                len(key) < 3 or item_threads(head_dim, key) <= most_threads)]
+        def best(prefix):
+            keys = [key for key in times if key[0] == prefix]
             return min(keys, key=times.get) if keys else None
 
         def cell(key):
             return "-" if key is None else f"{times[key]:.2f} ({'x'.join(map(str, key[1:]))})"
         best_lines.append(f"| {shape} | {times[('read',)]:.2f} | {cell(best('triton'))} | "
-                          + f"{cell(best('product', 512))} | "
                           + " | ".join(cell(best(name)) for name in libs) + " |")
         print(best_lines[-1], flush=True)
 
@@ -205,8 +186,7 @@ def main() -> int:
         _, slices, kv_split, depth = best("product")
         lanes = next(lanes for *config, lanes in configs(head_dim, num_splits)
                      if config == [slices, kv_split, depth])
-        cluster = max(1, lanes * kv_split // CTA_THREADS.get("product", 512))
-        grid, block = rows * slices * cluster, lanes * kv_split // cluster
+        grid, block = rows * slices, lanes * kv_split
         again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()
                  if lane_bytes(name) == 16}
         again["read"] = runs[("read",)]

@@ -81,13 +81,12 @@ def spec_valid(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split
 # -- candidates -------------------------------------------------------------------------------
 
 def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
-    """The DSplit rules, written out: 4..32 lanes of 16 bytes per slice, items of 32..4096
-    threads (up to 8 CTAs of 512 in a cluster)."""
+    """The DSplit rules, written out: 4..32 lanes of 16 bytes per slice, 32..512 threads."""
     configs = []
     for slices in (1, 2, 4, 8, 16):
         lanes, rest = divmod(head_dim * elem_bytes, 16 * slices)
-        for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-            if (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 4096
+        for k in (1, 2, 4, 8, 16, 32, 64, 128):
+            if (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
                     and k <= num_splits and (max_split is None or k <= max_split)):
                 configs += [KernelConfig.dsplit(slices, k, depth) for depth in (4, 8, 16)]
     return configs

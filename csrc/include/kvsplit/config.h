@@ -41,10 +41,9 @@ using KvSplitKvSplits = IntList<1, 2, 4, 8, 16>;
 constexpr int kKvSplitThreadsPerCta = 512;
 constexpr int kKvSplitCtasPerSm = 2;   // the grid cap, in CTAs per SM
 constexpr int kKvSplitLoadDepth = 4;   // partials per load round
-// DSplit: items (CTAs, or clusters of CTAs) per row, groups per item, partials per
-// load round.
+// DSplit: CTAs per row, groups per CTA, partials per load round.
 using DsplitSlices = IntList<1, 2, 4, 8, 16>;
-using DsplitKvSplits = IntList<1, 2, 4, 8, 16, 32, 64, 128, 256, 512>;
+using DsplitKvSplits = IntList<1, 2, 4, 8, 16, 32, 64, 128>;
 using DsplitDepths = IntList<4, 8, 16>;
 constexpr int kDsplitMaxDepth = 16;  // the largest of DsplitDepths: a first round's bound
 constexpr int kBytesPerThread = 16;
@@ -63,8 +62,8 @@ KVSPLIT_HOST_DEVICE constexpr int elem_bytes(DType dtype) {
 // alone (slices 1, depth kKvSplitLoadDepth).
 struct KernelConfig {
   Family family = Family::kKvSplit;
-  int32_t slices = 1;    // DSplit: items per row
-  int32_t kv_split = 1;  // groups per CTA (DSplit: per item), each merging every kv_split-th partial
+  int32_t slices = 1;    // DSplit: CTAs per row
+  int32_t kv_split = 1;  // groups per CTA, each merging every kv_split-th partial
   int32_t depth = kKvSplitLoadDepth;  // DSplit: partials loaded per round, 4, 8 or 16
 };
 
@@ -79,7 +78,7 @@ enum class Error : int32_t {
   kKvSplit,        // kv_split not a legal value of the family
   kGroupHoldsRow,  // KvSplit: a group of 512 / kv_split threads cannot hold a row
   kSlices,         // DSplit: head_dim / slices is not 4..32 vectors of 16 bytes
-  kCtaThreads,     // DSplit: lanes * kv_split is not 32..4096 threads (up to 8 CTAs of 512)
+  kCtaThreads,     // DSplit: lanes * kv_split is not 32..512 threads
   kDepth,          // depth not a legal value of the family
   kDevice,         // a CUDA launch asked for on a build without CUDA kernels
   kCuda,           // a CUDA call failed
@@ -121,7 +120,7 @@ KVSPLIT_HOST_DEVICE constexpr Status check_config(const KernelConfig& config, in
                           : 0;
     if (lanes == 0) return fail(Error::kSlices, config.slices);
     const int threads = lanes * config.kv_split;
-    if (threads < kDsplitMinThreads || threads > kDsplitMaxItemThreads) {
+    if (threads < kDsplitMinThreads || threads > kDsplitMaxThreads) {
       return fail(Error::kCtaThreads, config.kv_split);
     }
     return Status{};

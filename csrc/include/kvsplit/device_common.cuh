@@ -125,11 +125,10 @@ __device__ __forceinline__ void pdl_trigger() {
 }
 
 // A launch configuration carrying the programmatic-dependent-launch attribute
-// (on or off) and, if asked, a 1-D cluster size. Not copyable: config.attrs
-// points into the object itself.
+// (on or off). Not copyable: config.attrs points into the object itself.
 struct PdlLaunch {
   cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attribute[2] = {};
+  cudaLaunchAttribute attribute[1] = {};
 
   PdlLaunch(unsigned grid, unsigned threads, size_t dynamic_smem_bytes, cudaStream_t stream,
             bool pdl) {
@@ -141,14 +140,6 @@ struct PdlLaunch {
     attribute[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
     config.attrs = attribute;
     config.numAttrs = 1;
-  }
-  // CTAs [c * size, (c + 1) * size) of the grid form cluster c.
-  void cluster(unsigned size) {
-    attribute[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attribute[config.numAttrs].val.clusterDim.x = size;
-    attribute[config.numAttrs].val.clusterDim.y = 1;
-    attribute[config.numAttrs].val.clusterDim.z = 1;
-    ++config.numAttrs;
   }
   PdlLaunch(const PdlLaunch&) = delete;
   PdlLaunch& operator=(const PdlLaunch&) = delete;

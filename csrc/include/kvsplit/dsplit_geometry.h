@@ -12,21 +12,7 @@ namespace kvsplit {
 constexpr int kDsplitMinLanes = 4;  // 16-byte vectors per slice: a group is 4..32 lanes
 constexpr int kDsplitMaxLanes = 32;  // of one warp
 constexpr int kDsplitMinThreads = 32;
-constexpr int kDsplitMaxThreads = 512;  // per CTA
-// An item of more threads than one CTA takes spans a thread-block cluster of
-// up to this many CTAs (the portable cluster size), which combine their
-// groups through distributed shared memory (merge_dsplit.cuh).
-constexpr int kDsplitMaxCluster = 8;
-// Threads of one CTA of a clustered item (a benchmarks/lab knob: a power of
-// two of 32..512; items of more threads span threads / this CTAs).
-#ifndef KVSPLIT_DSPLIT_CTA_THREADS
-#define KVSPLIT_DSPLIT_CTA_THREADS 512
-#endif
-constexpr int kDsplitCtaThreads = KVSPLIT_DSPLIT_CTA_THREADS;
-static_assert(kDsplitCtaThreads >= kDsplitMinThreads && kDsplitCtaThreads <= kDsplitMaxThreads &&
-                  (kDsplitCtaThreads & (kDsplitCtaThreads - 1)) == 0,
-              "a clustered item's CTAs hold 32..512 threads, a power of two");
-constexpr int kDsplitMaxItemThreads = kDsplitCtaThreads * kDsplitMaxCluster;
+constexpr int kDsplitMaxThreads = 512;
 // Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per
 // warp, and twice as many in a call of kDsplitWideItems items or more (knobs
 // for benchmarks/lab; the defaults are the product; 0 wide items: never).
@@ -77,24 +63,15 @@ KVSPLIT_HOST_DEVICE constexpr int dsplit_lanes(int head_dim, int elem_bytes, int
 // A valid DSplit config as the kernel walks it (all counts are powers of two).
 struct DsplitGeometry {
   int lanes_log2;     // threads per group = 16-byte vectors per slice
-  int kv_split_log2;  // groups per item
-  int slices_log2;    // items per row
+  int kv_split_log2;  // groups per CTA
+  int slices_log2;    // CTAs per row
   int slice_elems;    // head_dim / slices
   int64_t items;      // rows * slices: the work of lanes * kv_split threads each
   int items_per_cta_log2;  // 0, or log2 of the items of one warp a CTA runs
-  int cluster_log2;   // 0, or log2 of the CTAs (a cluster) that share one item
 
   KVSPLIT_HOST_DEVICE int lanes() const { return 1 << lanes_log2; }
-  KVSPLIT_HOST_DEVICE int cluster() const { return 1 << cluster_log2; }
-  // Groups, and threads, of one CTA of an item.
-  KVSPLIT_HOST_DEVICE int cta_groups_log2() const { return kv_split_log2 - cluster_log2; }
-  KVSPLIT_HOST_DEVICE int threads() const { return 1 << (lanes_log2 + cta_groups_log2()); }
+  KVSPLIT_HOST_DEVICE int threads() const { return 1 << (lanes_log2 + kv_split_log2); }
 };
-
-// CTAs of one item of `threads` threads: 1 up to kDsplitCtaThreads.
-KVSPLIT_HOST_DEVICE constexpr int dsplit_cluster(int threads) {
-  return threads > kDsplitCtaThreads ? threads / kDsplitCtaThreads : 1;
-}
 
 KVSPLIT_HOST_DEVICE constexpr DsplitGeometry make_dsplit_geometry(int head_dim, int elem_bytes,
                                                                   int slices, int kv_split,
@@ -105,8 +82,7 @@ KVSPLIT_HOST_DEVICE constexpr DsplitGeometry make_dsplit_geometry(int head_dim, 
   return DsplitGeometry{exact_log2(lanes), exact_log2(kv_split), exact_log2(slices),
                         head_dim / slices, items,
                         lanes * kv_split == 32 ? exact_log2(kDsplitItemsPerCta) + (wide ? 1 : 0)
-                                               : 0,
-                        exact_log2(dsplit_cluster(lanes * kv_split))};
+                                               : 0};
 }
 
 }  // namespace kvsplit

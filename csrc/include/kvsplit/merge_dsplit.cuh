@@ -1,4 +1,4 @@
-// The DSplit merge kernel: a row's head dim split across `slices` items.
+// The DSplit merge kernel: a row's head dim split across `slices` CTAs.
 //
 // The KvSplit kernel gives a whole row to every group, so at decode shapes
 // (tens of rows) it keeps few SMs busy and each group walks many partials in
@@ -16,13 +16,6 @@
 // such items or more (dsplit_geometry.h; measured on an H200: 4 per CTA was
 // 0.2-0.3 us faster than 1 at decode shapes, benchmarks/lab/lab_dsplit.py).
 //
-// An item of more than 512 threads spans a thread-block cluster of up to 8
-// CTAs (Hopper), so that few rows with many partials still spread over many
-// SMs and every group loads its partials in one round. Each CTA combines its
-// own groups as above; then warp 0 of every CTA writes its total into the
-// shared memory of the cluster's first CTA, whose warp 0 folds them in the
-// same way, after one cluster barrier, and stores the row.
-//
 // Geometry is a runtime argument (all powers of two), so one kernel per
 // (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's
 // search costs few instantiations.
@@ -33,8 +26,6 @@
 #include <cstdlib>
 #include <type_traits>
 
-#include <cooperative_groups.h>
-
 #include "kvsplit/device_common.cuh"
 #include "kvsplit/dispatch.h"
 #include "kvsplit/dsplit_geometry.h"
@@ -43,21 +34,20 @@
 
 namespace kvsplit {
 
-// Registers. Bounded by 512 threads alone, ptxas kept every DSplit kernel
-// to 64 registers a thread, and the 8- and 16-deep kernels then issued a
+// Registers. Bounded by 512 threads alone, ptxas keeps every DSplit kernel
+// to 64 registers a thread, and the 8- and 16-deep kernels then issue a
 // round's loads a few at a time between the math of the earlier ones. With a
 // minimum of one CTA per SM (up to 128 registers) they issue a whole round
 // back to back: 90 and 128 registers (sm_90a, bf16 LSE plain kernels), 2-8 %
 // less time at decode shapes (benchmarks/lab/lab_dsplit.py, docs/kernel-notes.md).
-// The 4-deep kernel keeps 64 (a minimum of two CTAs of 512 threads): at 72
-// registers the 4096 one-warp items of 2048 rows of D = 512 no longer fit in
-// one wave. Kernels of this depth or more get the minimum of one (a
-// benchmarks/lab knob: 4 every kernel, 32 none).
+// The 4-deep kernel keeps no minimum: at 72 registers the 4096 one-warp
+// items of 2048 rows of D = 512 no longer fit in one wave. Kernels of this
+// depth or more get the minimum (a benchmarks/lab knob: 4 every kernel, 32 none).
 #ifndef KVSPLIT_DSPLIT_ROOMY_DEPTH
 #define KVSPLIT_DSPLIT_ROOMY_DEPTH 8
 #endif
 template <int kDepth>
-inline constexpr int kDsplitMinCtas = kDepth >= KVSPLIT_DSPLIT_ROOMY_DEPTH ? 1 : 2;
+inline constexpr int kDsplitMinCtas = kDepth >= KVSPLIT_DSPLIT_ROOMY_DEPTH ? 1 : 0;
 
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
 // kRawStats: no stat is the empty-split sentinel and log2_scale > 0 (dsplit_plain
@@ -118,38 +108,6 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
-// Warp 0's fold of `stride` parked totals (slot w * lanes + column j holds
-// total w's column j): lane i folds slots i, i + 32, ... into an empty state,
-// then a butterfly over the lane bits above the column joins them.
-template <int kVec>
-__device__ __forceinline__ void fold_parked(MergeState<kVec>& state, const float* parked,
-                                            int stride, int lanes) {
-  state.reset();
-  for (int slot = threadIdx.x & 31; slot < stride; slot += 32) {
-    state.combine(parked[slot], parked[stride + slot], &parked[2 * stride + slot], stride);
-  }
-  for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
-}
-
-// The cluster barrier (sm_90): arrive, then wait for every thread of the
-// cluster that has not exited. The release / acquire pair orders the totals
-// written into another CTA's shared memory before its reads of them.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
-
 // kPlain: flat rows, no row mask, no split counts, no empty-split sentinel, a
 // positive scale and element offsets of 32 bits (dsplit_plain checks), so
 // nothing stands between the row index and the first load, a load's address is
@@ -161,43 +119,33 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
   using Partial = typename CudaType<kPartial>::type;
   using Index = std::conditional_t<kPlain && KVSPLIT_DSPLIT_INDEX32, int32_t, int64_t>;
   constexpr bool kRaw = kPlain && KVSPLIT_DSPLIT_RAW_STATS;
-  // Each warp of a multi-warp CTA parks its total (m, l, acc) here for warp 0:
-  // [2 + kVec][warps][lanes] floats; then, in a cluster, the first CTA's
-  // [2 + kVec][cluster][lanes] floats take every CTA's total. Sized at launch.
+  // Each warp of a multi-warp item parks its total (m, l, acc) here for warp 0:
+  // [2 + kVec][warps][lanes] floats, sized at launch.
   extern __shared__ float parked[];
 
   const int lanes = geo.lanes();
   const int kv_split = 1 << geo.kv_split_log2;
-  const int cta_threads = geo.threads();
-  const int thread = threadIdx.x & (cta_threads - 1);  // within the item's CTA
-  const int cluster = geo.cluster();
-  const int rank = blockIdx.x & (cluster - 1);  // in the cluster (1-D clusters of `cluster`)
-  const int group = (rank << geo.cta_groups_log2()) + (thread >> geo.lanes_log2);
+  const int item_threads = geo.threads();
+  const int thread = threadIdx.x & (item_threads - 1);  // within the item
+  const int group = thread >> geo.lanes_log2;
   const int lane = thread & (lanes - 1);
   const int warp = thread >> 5;
-  const int warps = cta_threads >> 5;  // per CTA of an item; 1 when a CTA runs several items
+  const int warps = item_threads >> 5;  // per item; 1 when a CTA runs several items
   const int parked_stride = warps * lanes;
-  float* const cluster_parked = parked + (warps > 1 ? (2 + kVec) * parked_stride : 0);
-  const int cluster_stride = cluster * lanes;
   const int per_cta = 1 << geo.items_per_cta_log2;
 
-  // The first phase of the cluster barrier: no CTA writes into the first
-  // one's shared memory before every CTA of the cluster has started.
-  if (cluster > 1) cluster_arrive_relaxed();
   pdl_wait();
   const auto items = static_cast<Index>(geo.items);
-  const Index stride = Index(gridDim.x >> geo.cluster_log2) * per_cta;
-  for (Index item = Index(blockIdx.x >> geo.cluster_log2) * per_cta +
-                    Index(threadIdx.x >> (geo.lanes_log2 + geo.cta_groups_log2()));
-       item < items; item += stride) {
+  for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
+                                                                         geo.kv_split_log2));
+       item < items; item += Index(gridDim.x) * per_cta) {
     const Index row = item >> geo.slices_log2;
     RowIndex at;
     if constexpr (kPlain) {
       at.head = row;
     } else {
       at = locate_row(p, row);
-      // The whole item skips this row (every CTA of a cluster alike): every
-      // barrier of a multi-warp item stays uniform.
+      // The whole item skips this row: every barrier of a multi-warp item stays uniform.
       if (!row_selected(p, at)) continue;
     }
     const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
@@ -241,36 +189,24 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       // ... for column j % lanes, and a second butterfly joins the lanes.
       if ((threadIdx.x & 31) < lanes) park(parked, parked_stride, warp * lanes + lane, state);
       __syncthreads();
-      if (warp == 0) fold_parked(state, parked, parked_stride, lanes);
-    }
-    bool stores = true;
-    if (cluster > 1) {
-      // CTA r's total goes to slots [r * lanes, (r + 1) * lanes) of the first
-      // CTA, once the barrier's pending phase has passed (every CTA started, or
-      // the first CTA done with the item before); its warp 0 folds them as above.
-      const bool more = item + stride < items;  // alike in every CTA of the cluster
-      cluster_wait();
-      if (warp == 0 && (threadIdx.x & 31) < lanes) {
-        float* first_parked = cooperative_groups::this_cluster().map_shared_rank(cluster_parked, 0);
-        park(first_parked, cluster_stride, rank * lanes + lane, state);
+      if (warp == 0) {
+        state.reset();
+        for (int slot = threadIdx.x; slot < parked_stride; slot += 32) {
+          state.combine(parked[slot], parked[parked_stride + slot],
+                        &parked[2 * parked_stride + slot], parked_stride);
+        }
+        for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
       }
-      cluster_arrive();
-      stores = rank == 0;
-      if (stores || more) cluster_wait();
-      if (stores && warp == 0) fold_parked(state, cluster_parked, cluster_stride, lanes);
-      // The next item's totals wait for the first CTA's reads of these.
-      if (more) cluster_arrive();
     }
 
     // An item of one warp has no barrier to order the reads of an in-place
-    // row's stats before the export: its warp syncs. (In a cluster, every CTA
-    // has loaded before the barrier that the first one waited on.)
+    // row's stats before the export: its warp syncs.
     if (p.stats_in_place) {
       if (warps > 1) __syncthreads();
       else __syncwarp();
     }
-    if (stores && thread < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
-    if (warps > 1 && item + stride < items) __syncthreads();
+    if (thread < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
+    if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }
 }
 
@@ -301,16 +237,11 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
   const int lanes = geo.lanes();
   const int warps = geo.threads() / 32;
   const int per_cta = 1 << geo.items_per_cta_log2;
-  const int cluster = geo.cluster();
-  // CTAs: one per item (or per `per_cta` one-warp items), `cluster` per item in a cluster.
-  const int64_t ctas = (geo.items + per_cta - 1) / per_cta * cluster;
-  const int64_t grid_cap = (int64_t{1} << 30) / cluster * cluster;
-  const int parked_floats = (warps > 1 ? (2 + kVec) * warps * lanes : 0) +
-                            (cluster > 1 ? (2 + kVec) * cluster * lanes : 0);
-  PdlLaunch launch(static_cast<unsigned>(ctas < grid_cap ? ctas : grid_cap),
-                   static_cast<unsigned>(geo.threads() * per_cta), parked_floats * sizeof(float),
-                   stream, pdl);
-  if (cluster > 1) launch.cluster(cluster);
+  const int64_t ctas = (geo.items + per_cta - 1) / per_cta;
+  constexpr int64_t kGridCap = int64_t{1} << 30;
+  PdlLaunch launch(static_cast<unsigned>(ctas < kGridCap ? ctas : kGridCap),
+                   static_cast<unsigned>(geo.threads() * per_cta),
+                   warps > 1 ? (2 + kVec) * warps * lanes * sizeof(float) : 0, stream, pdl);
   Status status;
   cudaError_t error = cudaSuccess;
   const bool plain = dsplit_plain(p, geo);

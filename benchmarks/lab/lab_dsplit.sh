@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# One device run of the DSplit lab: the tables, then ncu on the product's
-# DSplit and the serial Triton peer at two shapes, under $OUT.
+# One device run of the DSplit lab: the tables (LAB_VARIANTS, LAB_SHAPES as
+# lab_dsplit.py reads them), then ncu's stall reasons for the product, two of
+# its stage variants and the read probe at a small and a large-N shape, under $OUT.
 #   usage: benchmarks/lab/lab_dsplit.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kvsplit-lab-out}
 mkdir -p "$OUT"
 nvidia-smi -q -d CLOCK,PERFORMANCE > "$OUT/smi.txt" 2>&1
-python3 -P benchmarks/lab/lab_dsplit.py --out "$OUT" 2>&1 | tee "$OUT/lab_dsplit.log"
-sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
-for args in "product 512 64 16 8 4 8" "pack1 512 64 16 8 4 8" "product 128 32 264 2 64 8"; do
-  echo "=== dsplit $args" >> "$OUT/ncu.txt"
-  timeout 120 ncu --clock-control none $sections -k regex:dsplit --launch-skip 1 --launch-count 1 \
-    python3 -P benchmarks/lab/lab_dsplit.py --one $args >> "$OUT/ncu.txt" 2>&1 || break
+python3 -P benchmarks/lab/lab_dsplit.py --out "$OUT" > "$OUT/lab_dsplit.log" 2>&1
+tail -60 "$OUT/lab_dsplit.log"
+# Duration, active cycles, instructions and every stall reason per issued instruction.
+metrics="gpu__time_duration.sum,sm__cycles_active.avg,smsp__inst_executed.sum,smsp__warps_active.avg.per_cycle_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+profile() {  # $1: what, $2: kernel regex, then lab_dsplit.py's arguments
+  echo "=== $1" >> "$OUT/ncu.txt"
+  timeout 120 ncu --clock-control none --metrics "$metrics" -k "regex:$2" --launch-skip 1 \
+    --launch-count 1 python3 -P benchmarks/lab/lab_dsplit.py "${@:3}" >> "$OUT/ncu.txt" 2>&1
+}
+for variant in product bare shell; do
+  profile "$variant 128/32/16 P2xK4d4" dsplit --one "$variant" 128 32 16 2 4 4
 done
-for args in "512 64 16 8" "128 32 264 4"; do
-  echo "=== triton $args" >> "$OUT/ncu.txt"
-  timeout 120 ncu --clock-control none $sections -k regex:serial --launch-skip 1 --launch-count 1 \
-    python3 -P benchmarks/lab/lab_dsplit.py --triton $args >> "$OUT/ncu.txt" 2>&1 || break
-done
+profile "read 128/32/16" read_probe --read 128 32 16
+profile "triton 128/32/16 4 warps" serial --triton 128 32 16 4
+profile "product 128/32/264 P2xK32d8" dsplit --one product 128 32 264 2 32 8
+profile "bare 128/32/264 P2xK32d8" dsplit --one bare 128 32 264 2 32 8
+profile "read 128/32/264" read_probe --read 128 32 264

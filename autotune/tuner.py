@@ -57,10 +57,8 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     take a row's partials in one 16-deep round, where that is below those Ks
     (at D = 128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at
     K = 64 or 128). Besides, every DSplit config whose item is one warp
-    (lanes x K = 32; they run four or eight to a CTA with no barrier), and
-    every one whose item is less than a warp where its groups take their
-    partials in one round, at that round's depth (:func:`one_round_depth`).
-    KvSplit K = 1 always stays. Each other DSplit config is timed at the round
+    (lanes x K = 32; they run four or eight to a CTA with no barrier).
+    KvSplit K = 1 always stays. Each DSplit config is timed at the round
     depths of :func:`dsplit_depths`. Median 18 candidates a key over the
     shipped H200 grid (16 over the adapters' grid, 18 over the unseen shapes
     of benchmarks/bench_dispatch.py), at most 25 over those keys."""
@@ -86,23 +84,12 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
             if c.kv_split == 1 or c.kv_split in ks:
                 kept.append(c)
             continue
-        threads = vectors // c.slices * c.kv_split
-        per_group = math.ceil(key.num_splits / c.kv_split)
-        if threads < 32:  # an item of less than a warp
-            if per_group <= 16 and c.depth == one_round_depth(per_group):
-                kept.append(c)
-            continue
-        one_warp = threads == 32
-        if c.depth not in dsplit_depths(per_group, one_warp):
+        one_warp = vectors // c.slices * c.kv_split == 32
+        if c.depth not in dsplit_depths(math.ceil(key.num_splits / c.kv_split), one_warp):
             continue
         if one_warp or (c.kv_split in dsplit_ks and c.slices in slices[c.kv_split]):
             kept.append(c)
     return kept
-
-
-def one_round_depth(per_group: int) -> int:
-    """The least DSplit round depth that takes ``per_group`` (at most 16) partials at once."""
-    return next(depth for depth in (4, 8, 16) if depth >= per_group)
 
 
 def dsplit_depths(per_group: int, one_warp: bool = False) -> set[int]:

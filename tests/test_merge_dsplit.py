@@ -4,9 +4,8 @@ Each config is pinned with ``KVSPLIT_MODE=dsplit:SLICES:KV_SPLIT`` and run
 through the public merge functions, on the CPU twin and on CUDA where it can,
 against the float64 reference and against KvSplit K = 1 on fresh random data.
 The valid configs are written out here from the family's rules, independently
-of dispatch/: a slice is 4..32 vectors of 16 bytes (a power of two), an item has
-at most 512 threads (fewer than 32 share a warp), kv_split <= num_splits, and a round
-loads 4, 8 or 16 partials.
+of dispatch/: a slice is 4..32 vectors of 16 bytes (a power of two), a CTA has
+32..512 threads, kv_split <= num_splits, and a round loads 4, 8 or 16 partials.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ def spec_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Kernel
         if rest or vectors not in (4, 8, 16, 32):
             continue
         for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
-            if vectors * kv_split <= 512 and kv_split <= num_splits:
+            if 32 <= vectors * kv_split <= 512 and kv_split <= num_splits:
                 configs += [KernelConfig.dsplit(slices, kv_split, depth) for depth in (4, 8, 16)]
     return configs
 
@@ -222,7 +221,7 @@ def test_a_bad_mode_is_refused_naming_the_variable(mode, merge_kit, monkeypatch)
 
 @pytest.mark.parametrize("family, slices, kv_split, depth, head_dim", [
     ("dsplit", 3, 8, 4, 128), ("dsplit", 16, 8, 4, 128), ("dsplit", 1, 64, 4, 128),
-    ("dsplit", 2, 8, 6, 128), ("dsplit", 8, 16, 4, 64),
+    ("dsplit", 2, 1, 4, 128), ("dsplit", 2, 8, 6, 128), ("dsplit", 8, 16, 4, 64),
     ("kvsplit", 1, 16, 4, 512), ("kvsplit", 1, 3, 4, 128), ("kvsplit", 2, 4, 4, 128)])
 def test_the_kernels_refuse_an_impossible_geometry(device, family, slices, kv_split, depth,
                                                    head_dim, merge_kit):
@@ -268,48 +267,10 @@ def test_one_warp_items_share_ctas(device, fmt, merge_kit, chosen_kv_split, monk
     assert chosen_kv_split == configs * 5
 
 
-@pytest.mark.parametrize("fmt", ["maxsum", "lse2"])
-def test_items_of_less_than_a_warp_share_it(device, fmt, merge_kit, chosen_kv_split,
-                                             monkeypatch):
-    """Items of 4, 8 and 16 threads (two to eight to a warp; kv_split 1 has no combine at
-    all): rows whose split counts differ within a warp, so that its items take different
-    trip counts, row counts that leave a warp partly idle, 1029 rows (where the 16-thread
-    items of 2 or 4 slices fill more than 1024 warps: eight warps to a CTA), sinks, empty
-    splits and exported stats; then the plain kernel (no split counts, no sinks)."""
-    head_dim = 128  # 16 vectors of bf16: slices 1, 2, 4 give 16, 8, 4 lanes
-    configs = [KernelConfig.dsplit(slices, k, depth)
-               for slices, k in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
-               for depth in (4, 8, 16)]
-    for rows in (1, 3, 7, 1029):
-        gen = merge_kit.generator("sub-warp", fmt, rows)
-        num_splits = int(torch.randint(5, 40, (), generator=gen))
-        partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16,
-                                              gen, empty_fraction=0.3)
-        split_counts = torch.randint(0, num_splits + 2, (rows,), generator=gen, dtype=torch.int32)
-        sinks = torch.randn(1, generator=gen)
-        scale = merge_kit.scale_log2(gen)
-        expected = merge_kit.reference(fmt, partial_o, stats, scale=scale, sinks=sinks,
-                                       split_counts=split_counts)
-        plain = merge_kit.reference(fmt, partial_o, stats, scale=scale)
-        for config in configs:
-            pin(monkeypatch, config)
-            out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device),
-                                             scale=scale, sinks=sinks.to(device),
-                                             split_counts=split_counts.to(device))
-            merge_kit.assert_matches_reference(out, out_stats, *expected)
-            out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device),
-                                             scale=scale)  # the plain kernel
-            merge_kit.assert_matches_reference(out, out_stats, *plain)
-    assert chosen_kv_split == [c for c in configs for _ in range(2)] * 4
-
-
-@pytest.mark.parametrize("config", [KernelConfig.dsplit(1, 2, 4), KernelConfig.dsplit(1, 1, 8)],
-                         ids=["one-warp", "half-warp"])
 @pytest.mark.parametrize("heads", [1, 3])
-def test_one_warp_items_merge_in_place(device, heads, config, monkeypatch):
-    """FlashInfer's in-place merge (stats exported over split 0's, a row mask) with items of
-    one warp and of half a warp: each item finishes reading its row's stats before it
-    overwrites them, and the two items of a warp may take different rows of the mask."""
+def test_one_warp_items_merge_in_place(device, heads, monkeypatch):
+    """FlashInfer's in-place merge (stats exported over split 0's, a row mask) with one-warp
+    items: each warp finishes reading its row's stats before it overwrites them."""
     from kvsplit.compat import flashinfer
 
     gen = torch.Generator().manual_seed(heads)
@@ -323,7 +284,8 @@ def test_one_warp_items_merge_in_place(device, heads, config, monkeypatch):
     expected_v = ((w.unsqueeze(-1) * v.double() + w_other.unsqueeze(-1) * v_other.double())
                   / (w + w_other).unsqueeze(-1))
     expected_s = (top + torch.log2(w + w_other)).float()
-    pin(monkeypatch, config)  # 16 lanes x 2 groups (one warp), or x 1 (half a warp)
+    config = KernelConfig.dsplit(1, 2, 4)  # 16 lanes x 2 groups: one warp
+    pin(monkeypatch, config)
     launched = []
     launch_call = _kernel.Plan.launch_call
     monkeypatch.setattr(_kernel.Plan, "launch_call",

@@ -161,15 +161,15 @@ GRID_SHAPES = [(head_dim, rows, n) for head_dim, row_counts in
 
 
 def configs(head_dim: int, num_splits: int, elem_bytes: int = 2, lane_bytes: int = 16):
-    """DSplit (slices, kv_split, depth, lanes) legal by config.h (items of 4 to 512
-    threads), kv_split <= N, depths 8 and 16 only where a group has more than 4 partials."""
+    """DSplit (slices, kv_split, depth, lanes) legal by config.h, kv_split <= N,
+    depths 8 and 16 only where a group has more than 4 partials."""
     found = []
     for slices in (1, 2, 4, 8, 16):
         lanes = head_dim * elem_bytes // (lane_bytes * slices)
         if lanes < 4 or lanes > 32:
             continue
         for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
-            if lanes * kv_split > 512 or kv_split > num_splits:
+            if not 32 <= lanes * kv_split <= 512 or kv_split > max(num_splits, 32 // lanes):
                 continue
             per_group = -(-num_splits // kv_split)
             for depth in [d for d in (4, 8, 16) if d == 4 or per_group > 4]:
@@ -288,11 +288,10 @@ def main() -> int:
         _, slices, kv_split, depth = best("product")
         lanes = next(lanes for *config, lanes in configs(head_dim, num_splits)
                      if config == [slices, kv_split, depth])
-        # The product's grid: items of a warp or less fill 4 warps of a CTA, 8 from 1024
-        # such warps on (dsplit_geometry.h).
+        # The product's grid: items of one warp run 4 to a CTA, 8 from 1024 items on
+        # (dsplit_geometry.h).
         items, block = rows * slices, lanes * kv_split
-        per_warp = max(1, 32 // block)
-        per_cta = 1 if block > 32 else per_warp * (8 if items // per_warp >= 1024 else 4)
+        per_cta = 1 if block > 32 else (8 if items >= 1024 else 4)
         grid, block = -(-items // per_cta), block * per_cta
         again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()
                  if lane_bytes(name) == 16}

@@ -81,13 +81,12 @@ def spec_valid(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split
 # -- candidates -------------------------------------------------------------------------------
 
 def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
-    """The DSplit rules, written out: 4..32 lanes of 16 bytes per slice, items of at most
-    512 threads."""
+    """The DSplit rules, written out: 4..32 lanes of 16 bytes per slice, 32..512 threads."""
     configs = []
     for slices in (1, 2, 4, 8, 16):
         lanes, rest = divmod(head_dim * elem_bytes, 16 * slices)
         for k in (1, 2, 4, 8, 16, 32, 64, 128):
-            if (not rest and lanes in (4, 8, 16, 32) and lanes * k <= 512
+            if (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
                     and k <= num_splits and (max_split is None or k <= max_split)):
                 configs += [KernelConfig.dsplit(slices, k, depth) for depth in (4, 8, 16)]
     return configs
@@ -125,21 +124,11 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
                 return {4, 8} if one_warp_item(c, head_dim, dtype) else {8}
             return {4, 8, 16} if per_group <= 16 else {8, 16}
 
-        def sub_warp_one_round(c):  # an item of less than a warp, its groups in one round
-            per_group = -(-num_splits // c.kv_split)
-            return (item_threads(c, head_dim, dtype) < 32 and per_group <= 16
-                    and c.depth == min(d for d in (4, 8, 16) if d >= per_group))
-
-        sub_warp = {c for c in everything if c.family == "dsplit" and sub_warp_one_round(c)}
-        assert len(sub_warp) <= 6 and sub_warp <= set(pruned)
-        assert not [c for c in pruned if c.family == "dsplit" and c not in sub_warp
-                    and item_threads(c, head_dim, dtype) < 32]
-        assert all(c.depth in depths(c) for c in pruned if c.family == "dsplit"
-                   and c not in sub_warp)
+        assert all(c.depth in depths(c) for c in pruned if c.family == "dsplit")
         one_warp = {c for c in everything if c.family == "dsplit"
                     and one_warp_item(c, head_dim, dtype) and c.depth in depths(c)}
         assert len(one_warp) <= 10 and one_warp <= set(pruned)
-        others = [c for c in pruned if c not in one_warp and c not in sub_warp]
+        others = [c for c in pruned if c not in one_warp]
         one_round = next(k for k in (1 << i for i in range(12)) if k * 16 >= num_splits)
         ks = {c.kv_split for c in others if c.kv_split > 1}
         extra = {one_round} if len(ks) == 4 else set()
@@ -154,14 +143,9 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
         assert pruned == everything
 
 
-def item_threads(config, head_dim, dtype):
-    """A DSplit config's threads an item: lanes (16-byte vectors per slice) x K."""
-    return head_dim * ELEM_BYTES[dtype] // 16 // config.slices * config.kv_split
-
-
 def one_warp_item(config, head_dim, dtype):
-    """Whether a DSplit config's item is one warp: lanes x K = 32."""
-    return item_threads(config, head_dim, dtype) == 32
+    """Whether a DSplit config's item is one warp: lanes (16-byte vectors per slice) x K = 32."""
+    return head_dim * ELEM_BYTES[dtype] // 16 // config.slices * config.kv_split == 32
 
 
 @pytest.mark.parametrize("head_dim, rows, num_splits, kept", [

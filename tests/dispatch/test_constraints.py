@@ -164,10 +164,9 @@ def test_constrain_rejects_a_k_outside_kv_splits(kv_split):
 
 def spec_dsplit_valid(slices, k, *, head_dim, elem_bytes, num_splits, max_split):
     """The DSplit rules, written out: a slice is 4..32 lanes of 16 bytes (a power of two),
-    an item at most 512 threads, K <= num_splits and K <= the cap (depth is mended
-    separately)."""
+    a CTA 32..512 threads, K <= num_splits and K <= the cap (depth is mended separately)."""
     lanes, rest = divmod(head_dim * elem_bytes, 16 * slices)
-    return (not rest and lanes in (4, 8, 16, 32) and lanes * k <= 512
+    return (not rest and lanes in (4, 8, 16, 32) and 32 <= lanes * k <= 512
             and k <= max(num_splits, 1) and (max_split is None or k <= max_split))
 
 

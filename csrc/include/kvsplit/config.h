@@ -78,7 +78,7 @@ enum class Error : int32_t {
   kKvSplit,        // kv_split not a legal value of the family
   kGroupHoldsRow,  // KvSplit: a group of 512 / kv_split threads cannot hold a row
   kSlices,         // DSplit: head_dim / slices is not 4..32 vectors of 16 bytes
-  kCtaThreads,     // DSplit: lanes * kv_split is more than 512 threads
+  kCtaThreads,     // DSplit: lanes * kv_split is not 32..512 threads
   kDepth,          // depth not a legal value of the family
   kDevice,         // a CUDA launch asked for on a build without CUDA kernels
   kCuda,           // a CUDA call failed

@@ -11,13 +11,11 @@ namespace kvsplit {
 
 constexpr int kDsplitMinLanes = 4;  // 16-byte vectors per slice: a group is 4..32 lanes
 constexpr int kDsplitMaxLanes = 32;  // of one warp
-// An item of fewer threads than a warp (down to one group of 4 lanes) shares
-// its warp with 32 / threads others.
-constexpr int kDsplitMinThreads = kDsplitMinLanes;
+constexpr int kDsplitMinThreads = 32;
 constexpr int kDsplitMaxThreads = 512;
-// Items of one warp or less (lanes * kv_split <= 32) fill this many warps of a
-// CTA, and twice as many in a call of kDsplitWideItems such warps or more
-// (knobs for benchmarks/lab; the defaults are the product; 0 wide items: never).
+// Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per
+// warp, and twice as many in a call of kDsplitWideItems items or more (knobs
+// for benchmarks/lab; the defaults are the product; 0 wide items: never).
 // Measured on an H200 with the lean kernel: 8 to a CTA took 0.96-0.99x of
 // the time of 4 at calls of 1024-4096 one-warp items and 1.00-1.08x at
 // 64-512 (benchmarks/lab/lab_dsplit.py, docs/kernel-notes.md).
@@ -69,7 +67,7 @@ struct DsplitGeometry {
   int slices_log2;    // CTAs per row
   int slice_elems;    // head_dim / slices
   int64_t items;      // rows * slices: the work of lanes * kv_split threads each
-  int items_per_cta_log2;  // 0, or log2 of the items of a warp or less a CTA runs
+  int items_per_cta_log2;  // 0, or log2 of the items of one warp a CTA runs
 
   KVSPLIT_HOST_DEVICE int lanes() const { return 1 << lanes_log2; }
   KVSPLIT_HOST_DEVICE int threads() const { return 1 << (lanes_log2 + kv_split_log2); }
@@ -79,16 +77,12 @@ KVSPLIT_HOST_DEVICE constexpr DsplitGeometry make_dsplit_geometry(int head_dim, 
                                                                   int slices, int kv_split,
                                                                   int64_t rows) {
   const int lanes = dsplit_lanes(head_dim, elem_bytes, slices);
-  const int threads = lanes * kv_split;
   const int64_t items = rows * slices;
-  // Items of a warp or less: log2 of the items one warp holds, plus the warps of a CTA.
-  const int per_warp_log2 = threads <= 32 ? exact_log2(32 / threads) : 0;
-  const bool wide = kDsplitWideItems > 0 && (items >> per_warp_log2) >= kDsplitWideItems;
+  const bool wide = kDsplitWideItems > 0 && items >= kDsplitWideItems;
   return DsplitGeometry{exact_log2(lanes), exact_log2(kv_split), exact_log2(slices),
                         head_dim / slices, items,
-                        threads <= 32 ? per_warp_log2 + exact_log2(kDsplitItemsPerCta) +
-                                            (wide ? 1 : 0)
-                                      : 0};
+                        lanes * kv_split == 32 ? exact_log2(kDsplitItemsPerCta) + (wide ? 1 : 0)
+                                               : 0};
 }
 
 }  // namespace kvsplit

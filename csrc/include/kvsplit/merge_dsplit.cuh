@@ -15,9 +15,6 @@
 // so a CTA runs 4 of them side by side, one per warp, or 8 in calls of 1024
 // such items or more (dsplit_geometry.h; measured on an H200: 4 per CTA was
 // 0.2-0.3 us faster than 1 at decode shapes, benchmarks/lab/lab_dsplit.py).
-// An item of fewer threads (down to one group of 4 lanes, kv_split 1: no
-// combine at all) shares its warp with others; its shuffles and syncs name
-// its own lanes.
 //
 // Geometry is a runtime argument (all powers of two), so one kernel per
 // (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's
@@ -78,16 +75,13 @@ __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                     kRawStats ? log2_scale : 1.f);
 }
 
-// Adds the state of the lane `offset` away; `mask` holds the lanes of the item
-// (a whole warp, or the item's part of it).
 template <int kVec>
-__device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int offset,
-                                                 unsigned mask = 0xffffffffu) {
+__device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int offset) {
   float acc_other[kVec];
-  const float m_other = __shfl_xor_sync(mask, state.m, offset);
-  const float l_other = __shfl_xor_sync(mask, state.l, offset);
+  const float m_other = __shfl_xor_sync(0xffffffffu, state.m, offset);
+  const float l_other = __shfl_xor_sync(0xffffffffu, state.l, offset);
 #pragma unroll
-  for (int v = 0; v < kVec; ++v) acc_other[v] = __shfl_xor_sync(mask, state.acc[v], offset);
+  for (int v = 0; v < kVec; ++v) acc_other[v] = __shfl_xor_sync(0xffffffffu, state.acc[v], offset);
   state.combine(m_other, l_other, acc_other, 1);
 }
 
@@ -136,13 +130,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
   const int group = thread >> geo.lanes_log2;
   const int lane = thread & (lanes - 1);
   const int warp = thread >> 5;
-  const int warps = item_threads >> 5;  // per item; 0 or 1 when a CTA runs several items
-  // The lanes of a warp that belong to this item: items of fewer threads than a
-  // warp share it, and their shuffles, syncs and trip counts are their own.
-  const int span = min(item_threads, 32);
-  const unsigned item_mask =
-      item_threads >= 32 ? 0xffffffffu
-                         : ((1u << item_threads) - 1) << ((threadIdx.x & 31) & ~(item_threads - 1));
+  const int warps = item_threads >> 5;  // per item; 1 when a CTA runs several items
   const int parked_stride = warps * lanes;
   const int per_cta = 1 << geo.items_per_cta_log2;
 
@@ -194,7 +182,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     pdl_trigger();
 
     // Groups of one warp: butterfly over the lane bits above the group's own.
-    for (int offset = lanes; offset < span; offset <<= 1) combine_shuffled(state, offset, item_mask);
+    for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
     if (warps > 1) {
       // Warp w's total goes to slots [w * lanes, (w + 1) * lanes). Lane j of
       // warp 0 then folds the totals of warps j / lanes, j / lanes + 32 / lanes,
@@ -211,11 +199,11 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       }
     }
 
-    // An item of a warp or less has no barrier to order the reads of an
-    // in-place row's stats before the export: its lanes sync.
+    // An item of one warp has no barrier to order the reads of an in-place
+    // row's stats before the export: its warp syncs.
     if (p.stats_in_place) {
       if (warps > 1) __syncthreads();
-      else __syncwarp(item_mask);
+      else __syncwarp();
     }
     if (thread < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();

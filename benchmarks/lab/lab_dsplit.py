@@ -211,6 +211,15 @@ def dsplit_run(lib, p, slices, kv_split, depth):
     return run
 
 
+def read_run(lib, o, lse, out):
+    """The read probe over the shape's partials, stats and output."""
+    def run(i):
+        lib.lab_read(ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
+                     ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
+                     ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
@@ -225,12 +234,7 @@ def main() -> int:
         if args.one:
             run = dsplit_run(load_all([args.one[0]])[args.one[0]], p, *numbers[3:])
         elif args.read:
-            o, lse, out = buffers
-            lib = load_all(["product"])["product"]
-            run = lambda i: lib.lab_read(  # noqa: E731
-                ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
-                ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
-                ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+            run = read_run(load_all(["product"])["product"], *buffers)
         else:
             o, lse, out = buffers
             run = lambda i: peers.triton_merge(o, lse, out, num_warps=numbers[3])  # noqa: E731
@@ -254,10 +258,7 @@ def main() -> int:
     for head_dim, rows, num_splits in shapes:
         (o, lse, out), p, reference = problem(head_dim, rows, num_splits, g)
         shape = f"{head_dim} / {rows} / {num_splits}"
-        runs = {("read",): lambda i: libs["product"].lab_read(
-            ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
-            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
-            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())}
+        runs = {("read",): read_run(libs["product"], o, lse, out)}
         for warps in (1, 2, 4, 8):
             runs[("triton", warps)] = (lambda w: lambda i: peers.triton_merge(
                 o, lse, out, num_warps=w))(warps)

@@ -100,7 +100,8 @@ _GROUP = ("    if (group < num_splits) {", "    if (group < num_splits - (1 << 3
 _NO_STATS = [("    const float m_raw = __ldg(s + u * s_step);", "    const float m_raw = 0.f;"),
              ("    l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;",
               "    l_in[u] = 1.f;")]
-_BARE = [(_MERGE_MATH, _NO_MATH), (_COMBINE, None), (_STORE, _STORE_ALL)]
+_NO_COMBINE = [(_COMBINE, None), (_STORE, _STORE_ALL)]
+_BARE = [(_MERGE_MATH, _NO_MATH), *_NO_COMBINE]
 # The kernel returns right after its PDL wait (a condition true at run time, so the code
 # stays): the launch of this kernel, its parameters and its CTAs.
 _EXIT = ("  pdl_wait();\n", "  pdl_wait();\n  if (p.rows >= 0) return;\n")
@@ -108,9 +109,9 @@ STAGES = {
     "exit": [_EXIT],
     "bare": _BARE,  # loads and epilogue: no merge arithmetic, no shuffles, parking or fold
     "nomath": [(_MERGE_MATH, _NO_MATH)],  # no merge arithmetic: loads, combine, epilogue
-    "nocombine": [(_COMBINE, None), (_STORE, _STORE_ALL)],  # no shuffles, parking or fold
+    "nocombine": _NO_COMBINE,  # no shuffles, parking or fold
     "shell": [_GROUP],
-    "shellnocombine": [_GROUP, (_COMBINE, None), (_STORE, _STORE_ALL)],
+    "shellnocombine": [_GROUP, *_NO_COMBINE],
     "barenostats": _BARE + _NO_STATS,  # bare, loading the partials alone
 }
 # What a shape's time is made of: differences of the variants at the product's best config.

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .. import installed
 from ..clikit import DatabaseProblem, db_option
 from ..clikit import db_url as given_db_url
 
@@ -30,20 +31,24 @@ def _ints(ctx, param, value: str) -> list[int]:
     return numbers
 
 
-def _head_dims(ctx, param, value: str) -> list[int]:
-    from ..installed import head_dims
+def _check_head_dims(head_dims: list[int], dtypes: list[str]) -> None:
+    from ..installed import head_dim_rule, head_dim_supported
 
-    numbers = _ints(ctx, param, value)
-    supported = head_dims()
-    bad = [d for d in numbers if d not in supported]
-    if bad:
-        raise click.BadParameter(f"head dim {', '.join(map(str, bad))} is not supported by the installed "
-                                 f"kernels; use {', '.join(map(str, supported))}")
-    return numbers
+    for dtype in dtypes:
+        bad = [d for d in head_dims if not head_dim_supported(d, dtype)]
+        if bad:
+            raise click.BadParameter(
+                f"head dim {', '.join(map(str, bad))} is not supported with {dtype} partials by the "
+                f"installed kernels; use {head_dim_rule(dtype)}", param_hint="'--head-dim'")
 
 
 def _words(choices):
+    """A comma-separated list parser; ``choices`` a tuple, or a function giving one (read
+    at parse time, so that the compiled module is loaded only when the command runs)."""
     def parse(ctx, param, value: str) -> list[str]:
+        nonlocal choices
+        if callable(choices):
+            choices = choices()
         words = [v.strip() for v in value.split(",") if v.strip()]
         bad = [w for w in words if w not in choices]
         if bad or not words:
@@ -128,7 +133,8 @@ def _worker_main(device, keys, db_url, l2, force, lease_s, queue, shapes=None) -
         queue.put(("stopped", None, str(error)))
 
 
-def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows) -> tuple[list, dict]:
+def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows,
+          out_dtypes=(None,)) -> tuple[list, dict]:
     """The grid's keys: every shape once per device model among ``targets`` (bucketed as the
     dispatcher buckets calls, so the grid fills exactly the keys that calls look up), and the
     (rows, num_splits) each is profiled at: the first grid values that fall in its buckets."""
@@ -138,9 +144,10 @@ def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows) -> tuple[
 
     models = list(dict.fromkeys(device_facts(t) for t in targets))
     shapes: dict = {}
-    for d, dtype, fmt, n, r, facts in itertools.product(head_dims, dtypes, formats, num_splits,
-                                                         rows, models):
-        key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, _OUT_DTYPE[dtype], fmt, n, r)
+    for d, dtype, out, fmt, n, r, facts in itertools.product(head_dims, dtypes, out_dtypes,
+                                                              formats, num_splits, rows, models):
+        key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, out or _OUT_DTYPE[dtype], fmt,
+                         n, r)
         shapes.setdefault(key, (r, n))
     return list(shapes), {key.model_dump_json(): shape for key, shape in shapes.items()}
 
@@ -192,11 +199,15 @@ def _run_workers(work: dict[str, list[str]], db_url, l2: str, force: bool, lease
 
 
 @click.command()
-@click.option("--head-dim", "head_dims", default="512,128", show_default=True, callback=_head_dims,
-              help="Head dims, comma-separated, each one the installed kernels support.")
+@click.option("--head-dim", "head_dims", default="512,128", show_default=True, callback=_ints,
+              help="Head dims, comma-separated: any whole number of 16-byte vectors of the "
+                   "partial dtype, up to 1024.")
 @click.option("--dtype", "dtypes", default="bfloat16", show_default=True,
-              callback=_words(("bfloat16", "float16", "float32")),
-              help="Partial dtypes (float32 partials produce bfloat16).")
+              callback=_words(installed.partial_dtypes),
+              help="Partial dtypes.")
+@click.option("--out-dtype", "out_dtypes", default="same", show_default=True,
+              callback=_words(lambda: ("same",) + installed.out_dtypes()),
+              help="Output dtypes; 'same': the partial dtype, bfloat16 for float32 partials.")
 @click.option("--format", "formats", default="maxsum", show_default=True,
               callback=_words(("maxsum", "lse", "maxsum:scattered", "lse:scattered")),
               help="Stats formats; ':scattered' keys the layouts whose adjacent rows' stats are "
@@ -218,8 +229,8 @@ def _run_workers(work: dict[str, list[str]], db_url, l2: str, force: bool, lease
 @db_option
 @click.option("--json", "as_json", is_flag=True, help="Print the summary (or --status) as JSON.")
 @click.pass_context
-def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devices, l2, lease_s,
-         status, as_json) -> None:
+def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending, force, devices, l2,
+         lease_s, status, as_json) -> None:
     """Profile the candidate kernel configs for a grid of shapes and store the winners.
 
     Candidates: both kernel families, pruned, on a GPU; every KvSplit K on the CPU.
@@ -241,6 +252,7 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
     from ..db.errors import REPAIR_HINT
     from ..dispatch import pending as pending_keys
 
+    _check_head_dims(head_dims, dtypes)
     console = Console(stderr=True)
     targets = _devices(devices)
     db_url = given_db_url(ctx)
@@ -251,7 +263,8 @@ def tune(ctx, head_dims, dtypes, formats, num_splits, rows, pending, force, devi
                       f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
     # Pending keys are profiled at their own values; a grid's at the values it names.
     keys, shapes = ((pending_keys.load(), {}) if pending
-                    else _grid(targets, head_dims, dtypes, formats, num_splits, rows))
+                    else _grid(targets, head_dims, dtypes, formats, num_splits, rows,
+                               [None if o == "same" else o for o in out_dtypes]))
     if status:
         _status(db_url, keys, as_json)
         return

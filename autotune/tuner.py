@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _kernel
-from ..config import BASELINE, STATS_FORMAT_CODES, KernelConfig, split_stats_format
+from ..config import BASELINE, DTYPE_CODES, STATS_FORMAT_CODES, KernelConfig, split_stats_format
 from ..db import CandidateResult, TuningPolicy, TuningRecord
 from ..db.transfer import tool_version
 from ..reference import random_partials
@@ -34,7 +34,7 @@ log = logging.getLogger("kvsplit.autotune")
 
 NOISE_MARGIN = 0.01
 _MATCH_TOLERANCE = 1e-2  # relative norm vs kv_split=1: a different summation order only
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_CODES}
 
 
 Candidate = KernelConfig  # what the tuner tries: a kernel family and its parameters

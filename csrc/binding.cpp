@@ -42,13 +42,19 @@ py::tuple values_of() {
 // A launch whose split strides and row mask are per call: partials held in
 // separate tensors (the split stride is the distance between them) and
 // FlashInfer's in-place mask.
+// The extra addresses of a general call: (row_mask, indptr, out_scale, group_scales).
+using Extras = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
+
 MergeParams with_call(const MergeParams& base, uintptr_t partial_o, uintptr_t stats,
                       uintptr_t split_counts, uintptr_t sinks, uintptr_t out,
-                      uintptr_t out_stats, uintptr_t row_mask, float log2_scale,
+                      uintptr_t out_stats, const Extras& extras, float log2_scale,
                       int64_t o_stride_split, int64_t stats_stride_split) {
   MergeParams p = with_addresses(base, partial_o, stats, split_counts, sinks, out, out_stats,
                                  log2_scale);
-  p.row_mask = as_pointer<const uint8_t>(row_mask);
+  p.row_mask = as_pointer<const uint8_t>(std::get<0>(extras));
+  p.indptr = as_pointer<const void>(std::get<1>(extras));
+  p.out_scale = as_pointer<const float>(std::get<2>(extras));
+  p.group_scales = as_pointer<void>(std::get<3>(extras));
   p.o_stride_split = o_stride_split;
   p.stats_stride_split = stats_stride_split;
   return p;
@@ -140,13 +146,21 @@ PYBIND11_MODULE(_ext, m) {
 #endif
 
   // -- vocabulary (config.h) ------------------------------------------------------------
-  m.attr("HEAD_DIMS") = values_of<kvsplit::HeadDims>();
-  m.attr("DTYPES") = py::dict(py::arg("bfloat16") = static_cast<int>(DType::kBFloat16),
-                              py::arg("float16") = static_cast<int>(DType::kFloat16),
-                              py::arg("float32") = static_cast<int>(DType::kFloat32));
-  m.attr("DTYPE_BYTES") = py::dict(py::arg("bfloat16") = kvsplit::elem_bytes(DType::kBFloat16),
-                                   py::arg("float16") = kvsplit::elem_bytes(DType::kFloat16),
-                                   py::arg("float32") = kvsplit::elem_bytes(DType::kFloat32));
+  m.attr("MAX_HEAD_DIM") = kvsplit::kMaxHeadDim;
+  m.attr("QUANT_GROUPS") = values_of<kvsplit::QuantGroups>();
+  // Every dtype the kernel layer names, by torch's name: partials and outputs,
+  // and the ue8m0 scale dtype.
+  const std::pair<const char*, DType> dtypes[] = {
+      {"bfloat16", DType::kBFloat16},          {"float16", DType::kFloat16},
+      {"float32", DType::kFloat32},            {"float8_e4m3fn", DType::kFloat8E4M3FN},
+      {"float8_e4m3fnuz", DType::kFloat8E4M3FNUZ}, {"float8_e8m0fnu", DType::kFloat8E8M0FNU}};
+  py::dict dtype_codes, dtype_bytes;
+  for (const auto& [name, dtype] : dtypes) {
+    dtype_codes[name] = static_cast<int>(dtype);
+    dtype_bytes[name] = kvsplit::elem_bytes(dtype);
+  }
+  m.attr("DTYPES") = dtype_codes;
+  m.attr("DTYPE_BYTES") = dtype_bytes;
   m.attr("STATS_FORMATS") = py::dict(py::arg("maxsum") = static_cast<int>(StatsFormat::kMaxSum),
                                      py::arg("lse") = static_cast<int>(StatsFormat::kLse));
   m.attr("FAMILIES") = py::dict(py::arg("kvsplit") = static_cast<int>(Family::kKvSplit),
@@ -162,10 +176,10 @@ PYBIND11_MODULE(_ext, m) {
                                        py::arg("kv_split") = KernelConfig{}.kv_split,
                                        py::arg("depth") = KernelConfig{}.depth);
   py::list pairs;
-  for (int in = 0; in < 3; ++in) {
-    for (int out = 0; out < 3; ++out) {
-      if (kvsplit::dtype_pair_compiled(static_cast<DType>(in), static_cast<DType>(out))) {
-        pairs.append(py::make_tuple(in, out));
+  for (const auto& [in_name, in] : dtypes) {
+    for (const auto& [out_name, out] : dtypes) {
+      if (kvsplit::dtype_pair_supported(in, out)) {
+        pairs.append(py::make_tuple(static_cast<int>(in), static_cast<int>(out)));
       }
     }
   }
@@ -195,9 +209,16 @@ PYBIND11_MODULE(_ext, m) {
       "bytes, else the error code (a key of ERRORS)",
       py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"),
       py::arg("head_dim"), py::arg("elem_bytes"));
+  m.def("head_dim_supported", &kvsplit::head_dim_supported,
+        "Whether rows of head_dim elements of elem_bytes bytes are whole 16-byte vectors, "
+        "1..MAX_HEAD_DIM elements",
+        py::arg("head_dim"), py::arg("elem_bytes"));
   m.def("kvsplit_rows_per_band", &kvsplit::kvsplit_rows_per_band,
         "Rows one KvSplit CTA covers per band (0: a group cannot hold a row)", py::arg("head_dim"),
         py::arg("elem_bytes"), py::arg("kv_split"));
+  m.def("dsplit_slice_vectors", &kvsplit::dsplit_slice_vectors,
+        "16-byte vectors of each DSplit slice of a row, or 0 when slices is not legal",
+        py::arg("head_dim"), py::arg("elem_bytes"), py::arg("slices"));
   m.def("dsplit_lanes", &kvsplit::dsplit_lanes,
         "Threads per DSplit group, or 0 when head_dim / slices is not a legal slice",
         py::arg("head_dim"), py::arg("elem_bytes"), py::arg("slices"));
@@ -215,7 +236,15 @@ PYBIND11_MODULE(_ext, m) {
       .def_readwrite("row_mask_stride", &MergeParams::row_mask_stride)
       .def_readwrite("export_scale", &MergeParams::export_scale)
       .def_readwrite("empty_stat", &MergeParams::empty_stat)
-      .def_readwrite("stats_in_place", &MergeParams::stats_in_place);
+      .def_readwrite("stats_in_place", &MergeParams::stats_in_place)
+      .def_readwrite("pass_through_tokens", &MergeParams::pass_through_tokens)
+      .def_readwrite("pass_through_split", &MergeParams::pass_through_split)
+      .def_readwrite("quant_group", &MergeParams::quant_group)
+      .def_readwrite("group_scales_stride", &MergeParams::group_scales_stride)
+      .def_readwrite("scale_ue8m0", &MergeParams::scale_ue8m0)
+      .def_readwrite("indptr_int64", &MergeParams::indptr_int64);
+  def_row_strides(params, "group_scales_row", &MergeParams::group_scales_row);
+  def_enum_field(params, "group_scales_dtype", &MergeParams::group_scales_dtype);
   def_row_strides(params, "o_row", &MergeParams::o_row);
   def_row_strides(params, "stats_row", &MergeParams::stats_row);
   def_row_strides(params, "out_row", &MergeParams::out_row);
@@ -270,27 +299,29 @@ PYBIND11_MODULE(_ext, m) {
   m.def(
       "merge_cpu_call",
       [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, uintptr_t row_mask, float log2_scale,
-         int64_t o_stride_split, int64_t stats_stride_split) {
+         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, const Extras& extras,
+         float log2_scale, int64_t o_stride_split, int64_t stats_stride_split) {
         raise_for(merge_cpu_released(
             with_call(launch.params, partial_o, stats, split_counts, sinks, out, out_stats,
-                      row_mask, log2_scale, o_stride_split, stats_stride_split),
+                      extras, log2_scale, o_stride_split, stats_stride_split),
             launch.config));
       },
-      "merge_cpu with a row mask and this call's split strides");
+      "merge_cpu with (row_mask, indptr, out_scale, group_scales) addresses and this call's "
+      "split strides");
   m.def(
       "merge_cuda_call",
       [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, uintptr_t row_mask, float log2_scale,
-         int64_t o_stride_split, int64_t stats_stride_split, uintptr_t stream) {
+         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, const Extras& extras,
+         float log2_scale, int64_t o_stride_split, int64_t stats_stride_split, uintptr_t stream) {
         CudaTarget target = launch.target;
         target.stream = as_pointer<void>(stream);
         raise_for(kvsplit::merge_cuda(
             with_call(launch.params, partial_o, stats, split_counts, sinks, out, out_stats,
-                      row_mask, log2_scale, o_stride_split, stats_stride_split),
+                      extras, log2_scale, o_stride_split, stats_stride_split),
             launch.config, target));
       },
-      "merge_cuda with a row mask and this call's split strides");
+      "merge_cuda with (row_mask, indptr, out_scale, group_scales) addresses and this call's "
+      "split strides");
 
 #if defined(KVSPLIT_WITH_CUDA)
   m.def("launch_noop", [](int grid, uintptr_t stream) {

@@ -37,11 +37,14 @@ inline const std::map<Error, std::pair<const char*, const char*>>& error_names()
       {Error::kKvSplit, {"kv_split", "kv_split"}},
       {Error::kGroupHoldsRow,
        {"group_holds_row", "kv_split (a group of 512/kv_split threads must hold a whole row)"}},
-      {Error::kSlices, {"slice_width", "slices (head_dim / slices must be 4..32 vectors of 16 bytes)"}},
+      {Error::kSlices,
+       {"slice_width", "slices (a slice of head_dim must be 3..32 vectors of 16 bytes, on 4..32 lanes)"}},
       {Error::kCtaThreads, {"cta_threads", "kv_split (lanes * kv_split must be 32..512 threads)"}},
       {Error::kDepth, {"depth", "depth"}},
       {Error::kDevice, {"device", "device"}},
       {Error::kCuda, {"cuda", "cuda"}},
+      {Error::kQuantGroup, {"quant_group", "quant_group (64 or 128, dividing head_dim, FP8 out)"}},
+      {Error::kSplitRange, {"split_range", "split range (pass-through split or indptr)"}},
   };
   return names;
 }

@@ -1,9 +1,8 @@
 // The CPU implementation: the same algorithm as the CUDA kernels, one row at a
-// time. K groups each merge every K-th partial and are combined in the order
+// time, one 16-byte vector of it at a time as a kernel thread holds it. K groups each merge every K-th partial and are combined in the order
 // of the chosen family's kernel (see merge_group and combine_groups), so that
 // both families' group merges are tested on machines without a GPU. A
-// DSplit slice is a column range of the same element-wise merge, so the whole
-// row is computed at once.
+// DSplit slice is a column range of the same element-wise merge.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +14,7 @@
 #include "kvsplit/host_types.h"
 #include "kvsplit/launch.h"
 #include "kvsplit/merge_math.h"
+#include "kvsplit/out_convert.h"
 
 namespace kvsplit {
 namespace {
@@ -32,71 +32,112 @@ float load_elem(const void* base, int64_t offset) {
   }
 }
 
-template <DType kDType>
-void store_elem(void* base, int64_t offset, float value) {
-  if constexpr (kDType == DType::kBFloat16) {
-    static_cast<uint16_t*>(base)[offset] = host::float_to_bfloat16(value);
-  } else {
-    static_assert(kDType == DType::kFloat16, "outputs are 16-bit");
-    static_cast<uint16_t*>(base)[offset] = host::float_to_float16(value);
+// Stores `count` floats as the call's output dtype at element `offset` of `base`.
+void store_row(DType out, void* base, int64_t offset, const float* values, int count) {
+  for (int d = 0; d < count; ++d) {
+    const float value = values[d];
+    switch (out) {
+      case DType::kBFloat16:
+        static_cast<uint16_t*>(base)[offset + d] = host::float_to_bfloat16(value);
+        break;
+      case DType::kFloat16:
+        static_cast<uint16_t*>(base)[offset + d] = host::float_to_float16(value);
+        break;
+      case DType::kFloat32: static_cast<float*>(base)[offset + d] = value; break;
+      default:
+        static_cast<uint8_t*>(base)[offset + d] =
+            float_to_e4m3(value, out == DType::kFloat8E4M3FNUZ);
+        break;
+    }
   }
 }
 
-// Folds kDepth partials of one row, starting at `first` and kv_split apart;
-// slots at or past `live` are padding (re-read `last`, weight 0).
-template <int kDepth, int kHeadDim, DType kPartial>
-void merge_batch_at(MergeState<kHeadDim>& state, const MergeParams& p, StatsFormat format,
-                    const RowIndex& row, int first, int kv_split, int live, int last) {
-  float m_in[kDepth], l_in[kDepth], o_in[kDepth][kHeadDim];
+// FP8 outputs: each value divided by its scale (the per-tensor one, or its
+// group's, which is computed here from the group's amax and written out, as
+// the kernels do) and clamped to the format's range.
+void scale_fp8_row(const MergeParams& p, const RowIndex& at, float* row) {
+  const float limit = fp8_max(p.out_dtype);
+  if (p.group_scales == nullptr) {
+    const float inverse = p.out_scale != nullptr ? 1.f / *p.out_scale : 1.f;
+    for (int d = 0; d < p.head_dim; ++d) row[d] = fp8_prepare(row[d], inverse, limit);
+    return;
+  }
+  const bool ue8m0 = p.scale_ue8m0 || p.group_scales_dtype == DType::kFloat8E8M0FNU;
+  for (int g = 0; g < p.head_dim / p.quant_group; ++g) {
+    float* values = row + g * p.quant_group;
+    float amax = 0.f;
+    for (int d = 0; d < p.quant_group; ++d) amax = max_keep_nan(amax, std::fabs(values[d]));
+    const float scale = group_scale(amax, p.out_dtype, ue8m0);
+    const int64_t at_scale = p.group_scales_row.at(at) + g * p.group_scales_stride;
+    if (p.group_scales_dtype == DType::kFloat32) {
+      static_cast<float*>(p.group_scales)[at_scale] = scale;
+    } else {
+      static_cast<uint8_t*>(p.group_scales)[at_scale] = ue8m0_byte(scale);
+    }
+    const float inverse = 1.f / scale;
+    for (int d = 0; d < p.quant_group; ++d) values[d] = fp8_prepare(values[d], inverse, limit);
+  }
+}
+
+// Folds kDepth partials of one row's 16-byte vector at `col`, starting at
+// split `first` and kv_split apart; slots at or past `live` are padding
+// (re-read `last`, weight 0).
+template <int kDepth, DType kPartial, int kVec>
+void merge_batch_at(MergeState<kVec>& state, const MergeParams& p, StatsFormat format,
+                    const RowIndex& row, int col, int64_t first, int kv_split, int live,
+                    int64_t last) {
+  float m_in[kDepth], l_in[kDepth], o_in[kDepth][kVec];
   for (int u = 0; u < kDepth; ++u) {
     const int64_t split = u < live ? first + u * kv_split : last;
     const float* stat = p.stats + split * p.stats_stride_split + p.stats_row.at(row);
     l_in[u] = format == StatsFormat::kMaxSum ? stat[1] : 1.f;
     m_in[u] = u < live && stat[0] != p.empty_stat ? stat[0] * p.log2_scale : neg_inf();
-    const int64_t base = split * p.o_stride_split + p.o_row.at(row);
-    for (int d = 0; d < kHeadDim; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
+    const int64_t base = split * p.o_stride_split + p.o_row.at(row) + col;
+    for (int d = 0; d < kVec; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
   }
   state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; });
 }
 
-// One group's walk over partials group, group + K, ...: the KvSplit kernel's
-// padded batches of 4, or the DSplit kernel's exact trip count (the remainder
-// of count / depth first, then rounds of depth).
-template <int kHeadDim, DType kPartial>
-void merge_group(MergeState<kHeadDim>& state, const MergeParams& p, const KernelConfig& config,
-                 const RowIndex& row, int group, int num_splits) {
+// One group's walk over partials begin + group, begin + group + K, ... of
+// one vector: the KvSplit kernel's padded batches of 4, or the DSplit
+// kernel's exact trip count (the remainder of count / depth first, then
+// rounds of depth).
+template <DType kPartial, int kVec>
+void merge_group(MergeState<kVec>& state, const MergeParams& p, const KernelConfig& config,
+                 const RowIndex& row, int col, int group, const SplitRange& splits) {
   const int k = config.kv_split;
-  const int count = (num_splits - group + k - 1) / k;
-  const int last = group + (count - 1) * k;
+  const int count = (splits.count - group + k - 1) / k;
+  const int64_t start = splits.begin + group;
+  const int64_t last = start + int64_t{count - 1} * k;
   const StatsFormat format = p.stats_format;
   if (config.family == Family::kKvSplit) {
     for (int j0 = 0; j0 < count; j0 += kLoadUnroll) {
-      merge_batch_at<kLoadUnroll, kHeadDim, kPartial>(state, p, format, row, group + j0 * k, k,
-                                                      count - j0, last);
+      merge_batch_at<kLoadUnroll, kPartial>(state, p, format, row, col, start + int64_t{j0} * k,
+                                            k, count - j0, last);
     }
     return;
   }
   const int depth = config.depth;
   const int first = count - (count - 1) / depth * depth;
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDsplitMaxDepth, kFirst, {
-    merge_batch_at<kFirst, kHeadDim, kPartial>(state, p, format, row, group, k, kFirst, last);
+    merge_batch_at<kFirst, kPartial>(state, p, format, row, col, start, k, kFirst, last);
   })
   Status status;  // config checked by merge_cpu: the depth is a legal one
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(depth, kDepth, status, {
     for (int done = first; done < count; done += kDepth) {
-      merge_batch_at<kDepth, kHeadDim, kPartial>(state, p, format, row, group + done * k, k,
-                                                 kDepth, last);
+      merge_batch_at<kDepth, kPartial>(state, p, format, row, col, start + int64_t{done} * k, k,
+                                       kDepth, last);
     }
   })
 }
 
 // Butterfly (xor) over `width` consecutive states starting at `base`, as warp
 // shuffles do it: afterwards every one of them holds the same total.
-template <int kHeadDim>
-void butterfly(std::vector<MergeState<kHeadDim>>& states, int base, int width) {
+template <int kVec>
+void butterfly(std::vector<MergeState<kVec>>& states, int base, int width) {
   for (int offset = 1; offset < width; offset <<= 1) {
-    const std::vector<MergeState<kHeadDim>> before(states.begin() + base,
-                                                   states.begin() + base + width);
+    const std::vector<MergeState<kVec>> before(states.begin() + base,
+                                               states.begin() + base + width);
     for (int i = 0; i < width; ++i) {
       const auto& other = before[i ^ offset];
       states[base + i].combine(other.m, other.l, other.acc, 1);
@@ -109,8 +150,8 @@ void butterfly(std::vector<MergeState<kHeadDim>>& states, int base, int width) {
 // with several warps, position q of warp 0 folds the totals of warps q,
 // q + G, ... (G groups per warp) into an empty state, and a butterfly joins
 // the positions.
-template <int kHeadDim>
-void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelConfig& config,
+template <int kVec>
+void combine_groups(std::vector<MergeState<kVec>>& groups, const KernelConfig& config,
                     int lanes) {
   const int k = config.kv_split;
   if (config.family == Family::kKvSplit) {
@@ -121,7 +162,7 @@ void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelConfi
   const int warps = k / per_warp;
   for (int w = 0; w < warps; ++w) butterfly(groups, w * per_warp, per_warp);
   if (warps == 1) return;
-  std::vector<MergeState<kHeadDim>> positions(per_warp);
+  std::vector<MergeState<kVec>> positions(per_warp);
   for (int q = 0; q < per_warp; ++q) {
     positions[q].reset();
     for (int w = q; w < warps; w += per_warp) {
@@ -133,35 +174,43 @@ void combine_groups(std::vector<MergeState<kHeadDim>>& groups, const KernelConfi
   groups[0] = positions[0];
 }
 
-template <int kHeadDim, DType kPartial, DType kOut>
+// Rows [row_begin, row_end): each 16-byte vector of a row is merged as a
+// kernel thread merges it (the weights depend only on the stats, so every
+// vector's m and l agree), then the row is stored and its stats exported.
+template <DType kPartial>
 void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int64_t row_begin,
                 int64_t row_end) {
-  using State = MergeState<kHeadDim>;
+  constexpr int kVec = kBytesPerThread / elem_bytes(kPartial);
+  using State = MergeState<kVec>;
   const StatsFormat format = p.stats_format;
   std::vector<State> groups(config.kv_split);
+  std::vector<float> row_out(p.head_dim);
 
   for (int64_t row = row_begin; row < row_end; ++row) {
     const RowIndex at = locate_row(p, row);
     if (!row_selected(p, at)) continue;
-    int num_splits = static_cast<int>(p.num_splits);
-    if (p.split_counts != nullptr) num_splits = std::clamp(p.split_counts[row], 0, num_splits);
-    for (int group = 0; group < config.kv_split; ++group) {
-      groups[group].reset();
-      if (group < num_splits) {
-        merge_group<kHeadDim, kPartial>(groups[group], p, config, at, group, num_splits);
-      }
-    }
-    combine_groups(groups, config, lanes);
-    State& state = groups[0];
+    const SplitRange splits = row_splits(p, at, row);
     const float sink_log2 = p.sinks != nullptr ? p.sinks[row_head(p, at)] * kLog2E : neg_inf();
-    float out[kHeadDim], log2_total;
-    const float total = state.finalize(sink_log2, out, log2_total);
-    const int64_t out_base = p.out_row.at(at);
-    for (int d = 0; d < kHeadDim; ++d) store_elem<kOut>(p.out, out_base + d, out[d]);
+    float total = 0.f, log2_total = 0.f, m = 0.f;
+    for (int col = 0; col < p.head_dim; col += kVec) {
+      for (int group = 0; group < config.kv_split; ++group) {
+        groups[group].reset();
+        if (group < splits.count) {
+          merge_group<kPartial>(groups[group], p, config, at, col, group, splits);
+        }
+      }
+      combine_groups(groups, config, lanes);
+      float out[kVec];
+      total = groups[0].finalize(sink_log2, out, log2_total);
+      m = groups[0].m;
+      std::copy(out, out + kVec, row_out.begin() + col);
+    }
+    if (is_fp8(p.out_dtype)) scale_fp8_row(p, at, row_out.data());
+    store_row(p.out_dtype, p.out, p.out_row.at(at), row_out.data(), p.head_dim);
     if (p.out_stats != nullptr) {
       float* stats = p.out_stats + p.out_stats_row.at(at);
       if (format == StatsFormat::kMaxSum) {
-        stats[0] = state.m * p.export_scale;
+        stats[0] = m * p.export_scale;
         stats[1] = total;
       } else {
         stats[0] = log2_total * p.export_scale;
@@ -187,10 +236,9 @@ Status merge_cpu(const MergeParams& call, const KernelConfig& config) {
   const int64_t work = params.rows * std::max<int64_t>(params.num_splits, 1) * params.head_dim;
   const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
   const int64_t workers = std::clamp<int64_t>(work >> 22, 1, std::min(hardware, params.rows));
-  KVSPLIT_DISPATCH_HEAD_DIM(params.head_dim, kHeadDim, status, {
-    KVSPLIT_DISPATCH_DTYPES(params.partial_dtype, params.out_dtype, kPartial, kOut, status, {
+  KVSPLIT_DISPATCH_PARTIAL_DTYPE(params.partial_dtype, kPartial, status, {
       auto run = [&](int64_t begin, int64_t end) {
-        merge_rows<kHeadDim, kPartial, kOut>(params, config, lanes, begin, end);
+        merge_rows<kPartial>(params, config, lanes, begin, end);
       };
       if (workers <= 1) {
         run(0, params.rows);
@@ -202,7 +250,6 @@ Status merge_cpu(const MergeParams& call, const KernelConfig& config) {
         }
         for (auto& thread : threads) thread.join();
       }
-    })
   })
   return status;
 }

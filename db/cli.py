@@ -6,6 +6,7 @@ The lead attaches :data:`db` to the main group with ``main.add_command(db)``.
 from __future__ import annotations
 
 import re
+import typing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -16,6 +17,7 @@ from ..clikit import EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, 
 from .claims import Claims
 from .connect import open_store, open_store_for_repair
 from .errors import InvalidExportError
+from .schemas import Dtype, OutDtype
 from .render import (
     console,
     records_table,
@@ -78,8 +80,8 @@ def _filters(function: Any) -> Any:
         click.option("--device", help="Part of the device name, any case (e.g. h200)."),
         click.option("--build", "build_hash", help="Kernel build hash."),
         click.option("--head-dim", type=int, help="Head dimension D."),
-        click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Dtype of the partials."),
-        click.option("--out-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Output dtype."),
+        click.option("--dtype", type=click.Choice(typing.get_args(Dtype)), help="Dtype of the partials."),
+        click.option("--out-dtype", type=click.Choice(typing.get_args(OutDtype)), help="Output dtype."),
         click.option("--stats-format", type=click.Choice(["maxsum", "lse"])),
         click.option(
             "--num-splits", type=click.IntRange(min=1), help="Number of partials N (also finds its bucket's key)."
@@ -228,14 +230,13 @@ def import_(
     except OSError as exc:
         raise InvalidInput(f"cannot read {file.name}: {exc.strerror or exc}") from None
     export = parse_export(source)
-    from ..installed import head_dims
+    from ..installed import head_dim_rule, head_dim_supported
 
-    supported = head_dims()
     unsupported = [
-        f"record {i}: key.head_dim: {r.key.head_dim} is not supported by the installed kernels "
-        f"(use one of {', '.join(map(str, supported))})"
+        f"record {i}: key.head_dim: {r.key.head_dim} is not supported with {r.key.partial_dtype} "
+        f"partials by the installed kernels (use {head_dim_rule(r.key.partial_dtype)})"
         for i, r in enumerate(export.records)
-        if r.key.head_dim not in supported
+        if not head_dim_supported(r.key.head_dim, r.key.partial_dtype)
     ]
     if unsupported:
         raise InvalidExportError(unsupported)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from ..config import BASELINE, KernelConfig
 
 Dtype = Literal["bfloat16", "float16", "float32"]
+OutDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"]
 # A key's stats format, with ":scattered" when the stats of adjacent rows are
 # not adjacent in memory (vLLM's and FlashAttention's head-major LSE): one
 # 32-byte sector per row instead of one per band changes what is fastest.
@@ -78,7 +79,7 @@ class TuningKey(_Model, frozen=True):
     build_hash: str = Field(min_length=1, max_length=128)
     head_dim: Positive
     partial_dtype: Dtype
-    out_dtype: Dtype
+    out_dtype: OutDtype
     stats_format: StatsFormat
     num_splits: Positive
     rows: Positive

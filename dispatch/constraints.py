@@ -20,8 +20,8 @@ everything, so a tampered table can only cost speed.
 
 from __future__ import annotations
 
-from ..config import (DTYPE_BYTES, FAMILIES, LIMITS, KernelConfig, check, kvsplit_rows_per_band,
-                      legal_configs)
+from ..config import (DTYPE_BYTES, FAMILIES, LIMITS, KernelConfig, check, dsplit_slice_elems,
+                      kvsplit_rows_per_band, legal_configs)
 
 KVSPLIT, DSPLIT = "kvsplit", "dsplit"
 KV_SPLITS: tuple[int, ...] = FAMILIES[KVSPLIT]["kv_split"]
@@ -127,6 +127,24 @@ def in_place_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, row
     return constrain_config(KernelConfig.dsplit(1, groups, config.depth), head_dim=head_dim,
                             elem_bytes=elem_bytes, rows=rows, num_splits=num_splits,
                             sm_count=sm_count)
+
+
+def group_quant_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, rows: int,
+                       num_splits: int, sm_count: int | None, quant_group: int) -> KernelConfig:
+    """``config`` for a call with per-group FP8 scales: the lanes of one group of
+    ``quant_group`` elements reduce its maximum by shuffles, so a DSplit slice must
+    hold whole groups; otherwise the row's slices become more groups of one CTA, or,
+    where a row does not fit one, the KvSplit config of as many groups."""
+    if (config.family != DSPLIT or config.slices == 1
+            or dsplit_slice_elems(head_dim, elem_bytes, config.slices) % quant_group == 0):
+        return config
+    rules = dict(head_dim=head_dim, elem_bytes=elem_bytes, rows=rows, num_splits=num_splits,
+                 sm_count=sm_count)
+    groups = min(config.kv_split * config.slices, max(DSPLIT_KV_SPLITS))
+    mended = constrain_config(KernelConfig.dsplit(1, groups, config.depth), **rules)
+    if mended.family == DSPLIT and mended.slices == 1:
+        return mended
+    return constrain_config(kvsplit_config(max(k for k in KV_SPLITS if k <= groups)), **rules)
 
 
 def valid_configs(*, head_dim: int, elem_bytes: int, rows: int, num_splits: int,

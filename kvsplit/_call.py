@@ -13,8 +13,9 @@ import math
 
 import torch
 
-from .layout import (_PUBLIC_ROW_DIMS, LSE, _check_grad, _extent, _LayoutPlan, _plans,
-                     _read_environment, _stats_name, _type_error)
+from .layout import (_INDPTR_DTYPES, _PUBLIC_ROW_DIMS, LSE, NO_EXTRAS, Extras, _check_grad,
+                     _extent, _LayoutPlan, _plans, _read_environment, _stats_name,
+                     _type_error)
 
 
 def _meta(tensor) -> tuple:
@@ -42,13 +43,50 @@ def _stack_view(name: str, parts) -> torch.Tensor:
     return first.as_strided((len(parts),) + tuple(first.shape), (0,) + first.stride())
 
 
+def varlen_view(fmt, partial_o, stats, indptr):
+    """Variable-length states as a layout: ``partial_o`` (nnz, [heads,] head_dim) and
+    ``stats`` (nnz, [heads][, 2]) become (nnz, tokens, ...) views whose token stride is 0
+    (a row's states are found through ``indptr``, tokens = len(indptr) - 1)."""
+    if not isinstance(indptr, torch.Tensor):
+        raise _type_error("indptr", indptr)
+    if indptr.dtype not in _INDPTR_DTYPES or indptr.dim() != 1 or indptr.shape[0] < 1:
+        raise ValueError(f"indptr must be a 1-D int32 or int64 tensor of tokens + 1 offsets, got "
+                         f"{indptr.dtype} {tuple(indptr.shape)}")
+    for name, value in (("partial_o", partial_o), (_stats_name(fmt), stats)):
+        if not isinstance(value, torch.Tensor):
+            raise _type_error(name, value)
+    if partial_o.dim() not in (2, 3):
+        raise ValueError(f"with indptr, partial_o must be (nnz, head_dim) or (nnz, heads, "
+                         f"head_dim), got {partial_o.dim()}-D")
+    if indptr.device != partial_o.device:
+        raise ValueError(f"indptr is on {indptr.device} but partial_o is on {partial_o.device}")
+    if indptr.stride(0) != 1:
+        raise ValueError("indptr must be contiguous")
+    tokens = indptr.shape[0] - 1
+    nnz = partial_o.shape[0]
+    if not (indptr.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # On the host (a copy for CUDA tensors); in a graph capture the kernel clamps instead.
+        offsets = indptr.tolist()
+        if offsets[0] < 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError("indptr must be non-decreasing from 0 or more")
+        if offsets[-1] > nnz:
+            raise ValueError(f"indptr ends at {offsets[-1]}, past the {nnz} states of partial_o")
+
+    def view(t):
+        return t.as_strided((t.shape[0], tokens) + tuple(t.shape[1:]),
+                            (t.stride(0), 0) + tuple(t.stride()[1:]))
+
+    return view(partial_o), view(stats), max(1, round(nnz / max(tokens, 1)))
+
+
 class _CallPlan:
     """A general call's layout plan, the parts' count and the in-place rule."""
 
     __slots__ = ("layout", "parts", "in_place", "o_bytes", "extents")
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
-                 row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims):
+                 row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims,
+                 out_dtype=None, extras: Extras = NO_EXTRAS, key_splits=None):
         self.parts = len(partial_o) if isinstance(partial_o, (list, tuple)) else 0
         if self.parts:
             partial_o = _stack_view("partial_o", partial_o)
@@ -80,9 +118,16 @@ class _CallPlan:
         self.layout = _LayoutPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out,
                                   return_stats, kv_split, out_stats=out_stats,
                                   empty_stat=empty_stat, stats_in_place=stats_in_place,
-                                  row_dims=row_dims, row_mask_stride=mask_stride)
+                                  row_dims=row_dims, row_mask_stride=mask_stride,
+                                  out_dtype=out_dtype, extras=extras, key_splits=key_splits)
         self.o_bytes = partial_o.dtype.itemsize
-        self.extents = self.layout.extents + (_extent(row_mask),)
+        self.extents = self.layout.extents + (_extent(row_mask), _extent(extras.indptr),
+                                              _extent(extras.out_scale),
+                                              _extent(extras.group_scales))
+
+
+def _address(tensor) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _split_step(name: str, addresses: list[int], align: int) -> int:
@@ -109,14 +154,16 @@ def _check_call_aliasing(fmt, plan: _CallPlan, inputs, outputs) -> None:
                 continue
             if start < lo + size and lo < start + extent:
                 raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
-    (_, a, a_size, _), (_, b, b_size, _) = outputs
-    if a and b and a_size and b_size and a < b + b_size and b < a + a_size:
-        raise ValueError("out_lse overlaps out: outputs must not alias each other")
+    for i, (a_name, a, a_size, _) in enumerate(outputs):
+        for b_name, b, b_size, _ in outputs[i + 1:]:
+            if a and b and a_size and b_size and a < b + b_size and b < a + a_size:
+                raise ValueError(f"{b_name} overlaps {a_name}: outputs must not alias each other")
 
 
 def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, out=None,
                out_stats=None, return_stats=False, row_mask=None, empty_stat=None,
-               stats_in_place=False, kv_split=None, row_dims=_PUBLIC_ROW_DIMS):
+               stats_in_place=False, kv_split=None, row_dims=_PUBLIC_ROW_DIMS, out_dtype=None,
+               extras: Extras = NO_EXTRAS):
     """One merge launch of the general call: what :mod:`kvsplit.compat` adapters need.
 
     ``partial_o``/``stats`` are tensors (num_splits, *rows, ...) or lists of parts
@@ -124,10 +171,17 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
     (``return_stats`` allocates one instead); ``row_mask`` a bool (tokens,)
     tensor whose False rows are neither read nor written; ``empty_stat`` a raw
     stat read as an empty split (vLLM: +inf); ``stats_in_place`` lets ``out``
-    and ``out_stats`` be part 0 itself. Plans are cached per layout like
-    :func:`merge_lse`'s. Returns ``out``, or ``(out, out_stats)`` when stats
-    are exported.
+    and ``out_stats`` be part 0 itself; ``out_dtype`` the output's dtype when
+    ``out`` is not given; ``extras`` FP8 scales, pass-through rows and
+    variable-length states (:class:`kvsplit.layout.Extras`). Plans are cached per
+    layout like :func:`merge_lse`'s. Returns ``out``, or ``(out, out_stats)``
+    when stats are exported.
     """
+    key_splits = None
+    if extras.indptr is not None:
+        if isinstance(partial_o, (list, tuple)):
+            raise ValueError("indptr addresses the states of one tensor, not a list of parts")
+        partial_o, stats, key_splits = varlen_view(fmt, partial_o, stats, extras.indptr)
     try:
         key = ("call", fmt, _metas(partial_o), _metas(stats),
                None if out is None else _meta(out), None if out_stats is None else _meta(out_stats),
@@ -135,13 +189,14 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
                None if split_counts is None else _meta(split_counts),
                None if row_mask is None else _meta(row_mask), scalar, empty_stat,
                bool(stats_in_place), bool(return_stats), kv_split, type(kv_split), row_dims,
-               _read_environment())
+               out_dtype, extras.meta(), key_splits, _read_environment())
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors: validation says what is wrong
         key = plan = None
     if plan is None:
         plan = _CallPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
-                         row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims)
+                         row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims,
+                         out_dtype, extras, key_splits)
         if key is not None and plan.layout.cacheable:
             _plans[key] = plan
     layout = plan.layout
@@ -180,17 +235,21 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
                for i, a in enumerate(o_addresses)]
               + [(f"{stats_name}[{i}]" if plan.parts else stats_name, a, extents[1])
                  for i, a in enumerate(s_addresses)]
-              + [("split_counts", 0 if split_counts is None else split_counts.data_ptr(),
-                  extents[2]),
-                 ("sinks", 0 if sinks is None else sinks.data_ptr(), extents[3]),
-                 ("mask", 0 if row_mask is None else row_mask.data_ptr(), extents[6])])
+              + [("split_counts", _address(split_counts), extents[2]),
+                 ("sinks", _address(sinks), extents[3]),
+                 ("mask", _address(row_mask), extents[6]),
+                 ("indptr", _address(extras.indptr), extents[7]),
+                 ("out_scale", _address(extras.out_scale), extents[8])])
     own_o = o_addresses[0] if plan.in_place else None
     own_s = s_addresses[0] if plan.in_place else None
+    gs_addr = _address(extras.group_scales)
     _check_call_aliasing(fmt, plan, inputs, [("out", out_addr, extents[4], own_o),
                                               ("out_lse" if fmt == LSE else "out_stats", os_addr,
-                                               extents[5], own_s)])
+                                               extents[5], own_s),
+                                              ("group_scales", gs_addr, extents[9], None)])
     if layout.kernel is not None:
-        layout.kernel.launch_call(o_addresses[0], s_addresses[0], inputs[-3][1], inputs[-2][1],
-                                  out_addr, os_addr, inputs[-1][1],
+        layout.kernel.launch_call(o_addresses[0], s_addresses[0], inputs[-5][1], inputs[-4][1],
+                                  out_addr, os_addr,
+                                  (inputs[-3][1], inputs[-2][1], inputs[-1][1], gs_addr),
                                   layout.log2_scale or float(scalar), o_split, s_split)
     return (out, out_stats) if out_stats is not None else out

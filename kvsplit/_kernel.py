@@ -89,7 +89,10 @@ class Plan:
                  stats: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
                  export_scale: float, *, sm_count: int | None = None, pdl: bool = False,
                  out_stats: torch.Tensor | None = None, empty_stat: float | None = None,
-                 stats_in_place: bool = False, row_mask_stride: int = 1):
+                 stats_in_place: bool = False, row_mask_stride: int = 1,
+                 pass_through_tokens: int | None = None, group_scales: torch.Tensor | None = None,
+                 quant_group: int = 0, ue8m0: bool = False,
+                 indptr_dtype: torch.dtype | None = None):
         params = _ext.MergeParams()
         row_shape = tuple(partial_o.shape[1:-1])
         rank = len(row_shape)
@@ -117,6 +120,15 @@ class Plan:
             params.empty_stat = empty_stat
         params.stats_in_place = stats_in_place
         params.row_mask_stride = row_mask_stride
+        if pass_through_tokens is not None:  # later tokens take the last split as it is
+            params.pass_through_tokens = pass_through_tokens
+            params.pass_through_split = partial_o.shape[0] - 1
+        if group_scales is not None:
+            params.quant_group, params.scale_ue8m0 = quant_group, ue8m0
+            params.group_scales_dtype = TORCH_DTYPE_CODES[group_scales.dtype]
+            params.group_scales_row = row_strides(row_shape, group_scales.stride()[:rank], heads)
+            params.group_scales_stride = group_scales.stride(-1)
+        params.indptr_int64 = indptr_dtype == torch.int64
         target = _ext.CudaTarget()
         device = partial_o.device
         self.is_cuda = device.type == "cuda"
@@ -128,17 +140,18 @@ class Plan:
         self.native = _ext.Launch(params, config.native(), target)
 
     def launch_call(self, partial_o: int, stats: int, split_counts: int, sinks: int, out: int,
-                    out_stats: int, row_mask: int, log2_scale: float, o_stride_split: int,
-                    stats_stride_split: int) -> None:
-        """:meth:`launch` with a row mask address and this call's split strides
-        (elements of partial_o, floats of stats): partials in separate tensors."""
+                    out_stats: int, extras: tuple[int, int, int, int], log2_scale: float,
+                    o_stride_split: int, stats_stride_split: int) -> None:
+        """:meth:`launch` with the addresses ``extras`` = (row_mask, indptr, out_scale,
+        group_scales) and this call's split strides (elements of partial_o, floats of
+        stats): partials in separate tensors, FP8 scales, variable-length states."""
         if self.is_cuda:
             _ext.merge_cuda_call(self.native, partial_o, stats, split_counts, sinks, out,
-                                 out_stats, row_mask, log2_scale, o_stride_split,
+                                 out_stats, extras, log2_scale, o_stride_split,
                                  stats_stride_split, current_stream(self.device_index))
         else:
             _ext.merge_cpu_call(self.native, partial_o, stats, split_counts, sinks, out,
-                                out_stats, row_mask, log2_scale, o_stride_split,
+                                out_stats, extras, log2_scale, o_stride_split,
                                 stats_stride_split)
 
     def launch(self, partial_o: int, stats: int, split_counts: int, sinks: int, out: int,

@@ -22,8 +22,11 @@ from . import _native
 
 _ext = _native.ext()
 
-#: Head dims with compiled kernels.
-HEAD_DIMS: tuple[int, ...] = tuple(_ext.HEAD_DIMS)
+#: The largest head dim; a head dim is legal when a row is whole 16-byte vectors
+#: of the partial dtype (:func:`head_dim_supported`), from 16 bytes up to this.
+MAX_HEAD_DIM: int = _ext.MAX_HEAD_DIM
+#: Head-dim elements per scale of per-group FP8 outputs.
+QUANT_GROUPS: tuple[int, ...] = tuple(_ext.QUANT_GROUPS)
 #: dtype name (torch's, without ``torch.``) -> the kernel layer's code.
 DTYPE_CODES: dict[str, int] = dict(_ext.DTYPES)
 #: dtype name -> bytes per element.
@@ -43,9 +46,34 @@ LIMITS: dict[str, int] = dict(_ext.LIMITS)
 #: error code of :func:`check` -> the name of the broken rule.
 ERRORS: dict[int, str] = dict(_ext.ERRORS)
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-#: (partial dtype name, output dtype name) pairs that are compiled.
+#: (partial dtype name, output dtype name) pairs the kernels take.
 DTYPE_PAIRS: tuple[tuple[str, str], ...] = tuple(
     (_DTYPE_NAMES[a], _DTYPE_NAMES[b]) for a, b in _ext.DTYPE_PAIRS)
+#: Partial dtypes, and output dtypes (of any partial dtype), by name.
+PARTIAL_DTYPES: tuple[str, ...] = tuple(dict.fromkeys(a for a, _ in DTYPE_PAIRS))
+OUT_DTYPES: tuple[str, ...] = tuple(dict.fromkeys(b for _, b in DTYPE_PAIRS))
+#: Output dtypes that take an FP8 scale.
+FP8_DTYPES: tuple[str, ...] = tuple(d for d in OUT_DTYPES if d.startswith("float8"))
+
+
+#: partial dtype name -> the head dims the kernels take (the kernel layer's rule, asked once
+#: per value so that validation is plain Python that torch.compile traces).
+HEAD_DIMS: dict[str, frozenset[int]] = {
+    name: frozenset(d for d in range(1, MAX_HEAD_DIM + 1)
+                    if _ext.head_dim_supported(d, DTYPE_BYTES[name]))
+    for name in PARTIAL_DTYPES}
+
+
+def head_dim_supported(head_dim: int, partial_dtype: str) -> bool:
+    """Whether the kernels take rows of ``head_dim`` elements of ``partial_dtype``: whole
+    16-byte vectors, from 16 bytes up to :data:`MAX_HEAD_DIM` elements."""
+    return head_dim in HEAD_DIMS[partial_dtype]
+
+
+def head_dim_rule(partial_dtype: str) -> str:
+    """The head-dim rule for ``partial_dtype``, as error messages state it."""
+    step = 16 // DTYPE_BYTES[partial_dtype]
+    return f"a multiple of {step} (16 bytes of {partial_dtype}) from {step} to {MAX_HEAD_DIM}"
 
 #: A tuning key's stats format is the kernel's format, or it with this suffix
 #: for the layout class whose stats of adjacent rows are apart (dispatch/keys.py).
@@ -206,6 +234,11 @@ def check(config: KernelConfig, head_dim: int, elem_bytes: int) -> str | None:
 def kvsplit_rows_per_band(head_dim: int, elem_bytes: int, kv_split: int) -> int:
     """Rows one KvSplit CTA covers per band of rows (0: a group cannot hold a row)."""
     return _ext.kvsplit_rows_per_band(head_dim, elem_bytes, kv_split)
+
+
+def dsplit_slice_elems(head_dim: int, elem_bytes: int, slices: int) -> int:
+    """Elements of a DSplit slice of a row (the last may be shorter; 0: not legal)."""
+    return _ext.dsplit_slice_vectors(head_dim, elem_bytes, slices) * 16 // elem_bytes
 
 
 def legal_configs(head_dim: int, elem_bytes: int, families: tuple[str, ...] = tuple(FAMILIES)):

@@ -15,8 +15,29 @@ def build_hashes() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*hashes, build_hash(False)]))
 
 
-def head_dims() -> tuple[int, ...]:
-    """The head dims the installed kernels support."""
-    from .config import HEAD_DIMS
+def head_dim_supported(head_dim: int, partial_dtype: str) -> bool:
+    """Whether the installed kernels take ``head_dim`` with ``partial_dtype`` partials."""
+    from .config import head_dim_supported as supported
 
-    return tuple(HEAD_DIMS)
+    return supported(head_dim, partial_dtype)
+
+
+def head_dim_rule(partial_dtype: str) -> str:
+    """The installed kernels' head-dim rule for ``partial_dtype``, in words."""
+    from .config import head_dim_rule as rule
+
+    return rule(partial_dtype)
+
+
+def partial_dtypes() -> tuple[str, ...]:
+    """Partial dtype names the installed kernels read."""
+    from .config import PARTIAL_DTYPES
+
+    return PARTIAL_DTYPES
+
+
+def out_dtypes() -> tuple[str, ...]:
+    """Output dtype names the installed kernels write."""
+    from .config import OUT_DTYPES
+
+    return OUT_DTYPES

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _kernel
-from .config import DTYPE_PAIRS, HEAD_DIMS, STATS_FORMAT_CODES, has_cuda_kernels
+from .config import (DTYPE_PAIRS, FP8_DTYPES, QUANT_GROUPS, STATS_FORMAT_CODES, has_cuda_kernels,
+                     head_dim_rule, head_dim_supported)
 from .dispatch import dispatcher as _dispatch
-from .dispatch.constraints import in_place_config
+from .dispatch.constraints import group_quant_config, in_place_config
 from .dispatch.device import device_facts
 from .dispatch.keys import scattered_stats
 
@@ -27,14 +28,19 @@ _LOG2E = 1.0 / _LN2
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _STATS_DTYPES = (torch.float32,)
 _COUNT_DTYPES = (torch.int32,)
-# partial dtype -> the output dtypes compiled for it (the first is the default).
+# partial dtype -> the output dtypes it merges into (the first is the default:
+# 16-bit partials produce their own dtype, float32 partials bfloat16).
 _OUT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {}
 for _partial, _out in DTYPE_PAIRS:
     _OUT_DTYPES.setdefault(getattr(torch, _partial), ())
     _OUT_DTYPES[getattr(torch, _partial)] += (getattr(torch, _out),)
-for _partial, _outs in _OUT_DTYPES.items():  # 16-bit partials produce their own dtype
-    _OUT_DTYPES[_partial] = tuple(sorted(_outs, key=lambda d: (d != _partial, str(d))))
+for _partial, _outs in _OUT_DTYPES.items():
+    _first = _partial if _partial != torch.float32 else torch.bfloat16
+    _OUT_DTYPES[_partial] = (_first,) + tuple(d for d in _outs if d != _first)
 _PARTIAL_DTYPES = tuple(_OUT_DTYPES)
+_FP8_DTYPES = tuple(getattr(torch, name) for name in FP8_DTYPES)
+_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+_INDPTR_DTYPES = (torch.int32, torch.int64)
 _KV_SPLITS = _dispatch.KV_SPLITS
 _plans = _dispatch.dispatcher.plans
 _read_environment = _dispatch.read_environment
@@ -89,8 +95,9 @@ _PUBLIC_ROW_DIMS = (1, 2)
 
 
 def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split, *,
-              row_dims=_PUBLIC_ROW_DIMS) -> torch.dtype:
-    """Checks what needs no memory address; returns the output dtype.
+              row_dims=_PUBLIC_ROW_DIMS, out_dtype=None) -> torch.dtype:
+    """Checks what needs no memory address; returns the output dtype (``out``'s, else
+    ``out_dtype``, else the partials' default).
 
     ``row_dims``: how many dims the rows may take (1: rows; 2: tokens, heads;
     3: batch, seqlen, heads, for FlashAttention's combine layout).
@@ -108,8 +115,10 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
     num_splits, *row_list, head_dim = shape
     row_shape = tuple(row_list)
     rows = math.prod(row_shape)
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"partial_o: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not head_dim_supported(head_dim, dtype_name):
+        raise ValueError(f"partial_o: head_dim {head_dim} is not supported with {dtype_name} "
+                         f"partials; use {head_dim_rule(dtype_name)}")
     if num_splits == 0 and rows > 0:
         raise ValueError("partial_o has num_splits = 0 but rows > 0: nothing to merge")
     last = len(shape) - 1
@@ -140,11 +149,15 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
             raise ValueError(f"split_counts must be contiguous (rows in order), got strides "
                              f"{split_counts.stride()}")
 
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES[dtype]:
+        raise _dtype_error("out_dtype", out_dtype, _OUT_DTYPES[dtype])
     if out is None:
-        out_dtype = _OUT_DTYPES[dtype][0]
+        out_dtype = out_dtype or _OUT_DTYPES[dtype][0]
     else:
         _check_tensor("out", out, _OUT_DTYPES[dtype], row_shape + (head_dim,), device,
                       len(row_shape))
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
         out_dtype = out.dtype
 
     if kv_split is not None:
@@ -176,6 +189,79 @@ def _extent(tensor: Optional[torch.Tensor]) -> int:
             + 1) * tensor.dtype.itemsize
 
 
+class Extras(NamedTuple):
+    """What a general call adds to a layout: FP8 output scales (``out_scale`` per tensor,
+    or ``group_scales`` written per ``quant_group`` elements, powers of two with
+    ``ue8m0``), pass-through rows (tokens from ``pass_through_from`` on take the last
+    split as it is) and variable-length states (``indptr``; see :func:`varlen_view`)."""
+
+    out_scale: Optional[torch.Tensor] = None
+    group_scales: Optional[torch.Tensor] = None
+    quant_group: Optional[int] = None
+    ue8m0: bool = False
+    pass_through_from: Optional[int] = None
+    indptr: Optional[torch.Tensor] = None
+
+    def meta(self) -> tuple:
+        """What plans depend on (no addresses)."""
+        return tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+                     if isinstance(t, torch.Tensor) else (type(t), t) for t in self)
+
+
+NO_EXTRAS = Extras()
+
+
+def _is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+
+def _check_extras(extras: Extras, out_dtype: torch.dtype, row_shape: tuple, head_dim: int,
+                  num_splits: int, heads: int, device: torch.device) -> None:
+    """The general call's options against the layout (see :class:`Extras`)."""
+    fp8 = out_dtype in _FP8_DTYPES
+    if extras.out_scale is not None:
+        if not fp8:
+            raise ValueError(f"out_scale is for FP8 outputs; the output dtype is {out_dtype}")
+        _check_tensor("out_scale", extras.out_scale, _STATS_DTYPES, tuple(extras.out_scale.shape)
+                      if isinstance(extras.out_scale, torch.Tensor) else (1,), device, None)
+        if extras.out_scale.numel() != 1:
+            raise ValueError(f"out_scale must hold one float32 scale, got shape "
+                             f"{tuple(extras.out_scale.shape)}")
+    if extras.quant_group is not None and extras.group_scales is None:
+        raise ValueError("quant_group needs group_scales, the tensor the per-group scales go to")
+    if extras.group_scales is not None:
+        if not fp8:
+            raise ValueError(f"group_scales are for FP8 outputs; the output dtype is {out_dtype}")
+        if extras.out_scale is not None:
+            raise ValueError("give out_scale (one scale) or group_scales (one per group), not both")
+        group = extras.quant_group
+        if not _is_int(group) or group not in QUANT_GROUPS:
+            raise ValueError(f"quant_group must be one of {QUANT_GROUPS}, got {group!r}")
+        if head_dim % group:
+            raise ValueError(f"quant_group {group} does not divide head_dim {head_dim}")
+        _check_tensor("group_scales", extras.group_scales, _SCALE_DTYPES,
+                      row_shape + (head_dim // group,), device, None)
+    if not isinstance(extras.ue8m0, bool):
+        raise TypeError(f"ue8m0 must be a bool, got {type(extras.ue8m0).__name__}")
+    if extras.pass_through_from is not None:
+        tokens = math.prod(row_shape) // heads
+        if not _is_int(extras.pass_through_from):
+            raise TypeError(f"pass_through_from must be an int, got "
+                            f"{type(extras.pass_through_from).__name__}")
+        if not 0 <= extras.pass_through_from <= tokens:
+            raise ValueError(f"pass_through_from must be 0..{tokens} (the tokens), got "
+                             f"{extras.pass_through_from}")
+        if extras.indptr is not None:
+            raise ValueError("pass_through_from and indptr cannot be combined")
+
+
+def _heads(row_shape: tuple, sinks) -> int:
+    """Rows per token: the last row dim of (tokens, heads) layouts, else the sinks' count."""
+    if len(row_shape) > 1:
+        return row_shape[-1]
+    return sinks.numel() if isinstance(sinks, torch.Tensor) and sinks.numel() else 1
+
+
 class _LayoutPlan:
     """What a layout's calls share: the launch plan and the byte extents and alignments."""
 
@@ -184,15 +270,20 @@ class _LayoutPlan:
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
                  kv_split, *, out_stats=None, empty_stat=None, stats_in_place=False,
-                 row_dims=_PUBLIC_ROW_DIMS, row_mask_stride=1):
+                 row_dims=_PUBLIC_ROW_DIMS, row_mask_stride=1, out_dtype=None,
+                 extras: Extras = NO_EXTRAS, key_splits: Optional[int] = None):
         """``out_stats``, ``empty_stat`` and ``stats_in_place`` are kvsplit.compat's: a given
         exported-stats tensor (any strides), a stat that reads as empty, and an export
-        into split 0's stats (see params.h)."""
+        into split 0's stats (see params.h). ``out_dtype``: the output's, when ``out`` is
+        not given; ``extras``: the general call's options; ``key_splits``: the split count
+        the dispatcher keys (variable-length states: their mean per row)."""
         out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
-                              row_dims=row_dims)
+                              row_dims=row_dims, out_dtype=out_dtype)
         num_splits, *row_list, head_dim = partial_o.shape
         row_shape = tuple(row_list)
         rows = math.prod(row_shape)
+        heads = _heads(row_shape, sinks)
+        _check_extras(extras, out_dtype, row_shape, head_dim, num_splits, heads, partial_o.device)
         _check_strides(partial_o, out, out_dtype)
         device = partial_o.device
         self.rows, self.device, self.out_dtype = rows, device, out_dtype
@@ -201,8 +292,7 @@ class _LayoutPlan:
         if out_stats is not None:
             _check_tensor("out_stats" if fmt == MAXSUM else "out_lse", out_stats, _STATS_DTYPES,
                           self.stats_shape, device, len(row_shape) if fmt == MAXSUM else None)
-        # Each thread stores the outputs of 16 bytes of partials in one access.
-        self.store_bytes = 16 // partial_o.dtype.itemsize * out_dtype.itemsize
+        self.store_bytes = _store_bytes(partial_o.dtype, out_dtype)
         out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
                                                            device="meta")
         self.extents = (_extent(partial_o), _extent(stats), _extent(split_counts), _extent(sinks),
@@ -221,19 +311,29 @@ class _LayoutPlan:
             scattered = scattered_stats(fmt == MAXSUM, row_shape,
                                         stats.stride()[1:1 + len(row_shape)])
             config, self.cacheable = _dispatch.choose_for_plan(
-                facts, device, head_dim, partial_o.dtype, out_dtype, fmt, num_splits, rows,
-                kv_split or None, scattered)
+                facts, device, head_dim, partial_o.dtype, out_dtype, fmt,
+                key_splits or num_splits, rows, kv_split or None, scattered)
+            rules = dict(head_dim=head_dim, elem_bytes=partial_o.dtype.itemsize, rows=rows,
+                         num_splits=num_splits, sm_count=facts.sm_count if facts.is_cuda else None)
             if stats_in_place:
-                config = in_place_config(config, head_dim=head_dim,
-                                         elem_bytes=partial_o.dtype.itemsize, rows=rows,
-                                         num_splits=num_splits,
-                                         sm_count=facts.sm_count if facts.is_cuda else None)
-            self.kernel = _kernel.Plan(config, fmt, partial_o, stats, out_like, sinks,
-                                       export_scale, sm_count=facts.sm_count,
-                                       pdl=_dispatch.pdl_enabled(), out_stats=out_stats,
-                                       empty_stat=empty_stat, stats_in_place=stats_in_place,
-                                       row_mask_stride=row_mask_stride)
+                config = in_place_config(config, **rules)
+            if extras.group_scales is not None:
+                config = group_quant_config(config, **rules, quant_group=extras.quant_group)
+            self.kernel = _kernel.Plan(
+                config, fmt, partial_o, stats, out_like, sinks, export_scale,
+                sm_count=facts.sm_count, pdl=_dispatch.pdl_enabled(), out_stats=out_stats,
+                empty_stat=empty_stat, stats_in_place=stats_in_place,
+                row_mask_stride=row_mask_stride, pass_through_tokens=extras.pass_through_from,
+                group_scales=extras.group_scales, quant_group=extras.quant_group or 0,
+                ue8m0=extras.ue8m0,
+                indptr_dtype=None if extras.indptr is None else extras.indptr.dtype)
             self.native, self.device_index = self.kernel.native, self.kernel.device_index
+
+
+def _store_bytes(partial_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
+    """The alignment of a thread's output store: the outputs of 16 bytes of partials, in
+    accesses of at most 16 bytes."""
+    return min(16, 16 // partial_dtype.itemsize * out_dtype.itemsize)
 
 
 def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
@@ -243,7 +343,7 @@ def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dty
         if shape[dim] > 1 and (strides[dim] * elem) % 16:
             raise ValueError(f"partial_o: stride {strides[dim]} of dim {dim} is not a "
                              "multiple of 16 bytes")
-    store_bytes = 16 // elem * out_dtype.itemsize
+    store_bytes = _store_bytes(partial_o.dtype, out_dtype)
     if out is not None and any(size > 1 and (stride * out_dtype.itemsize) % store_bytes
                                for size, stride in zip(out.shape[:-1], out.stride()[:-1])):
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")

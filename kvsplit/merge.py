@@ -26,8 +26,8 @@ import torch
 
 from . import _kernel
 from ._call import merge_call
-from .layout import (_FLOAT32_MAX, _LN2, LSE, MAXSUM, _check_scalar, _is_compiling, _LayoutPlan,
-                     _check_grad, _plans, _read_environment, _stats_name, _validate)
+from .layout import (_FLOAT32_MAX, _LN2, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar, _is_compiling,
+                     _LayoutPlan, _check_grad, _plans, _read_environment, _stats_name, _validate)
 
 _merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
 _current_stream = _kernel.current_stream
@@ -204,8 +204,19 @@ def _(partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split)
     return None
 
 
+def _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
+             indptr) -> Extras | None:
+    """The general call's options of a public call, or None when it has none."""
+    if (out_dtype is None and out_scale is None and group_scales is None and quant_group is None
+            and ue8m0 is False and pass_through_from is None and indptr is None):
+        return None
+    return Extras(out_scale, group_scales, quant_group, ue8m0, pass_through_from, indptr)
+
+
 def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_counts=None,
-                 out=None, return_stats=False, kv_split=None):
+                 out=None, return_stats=False, kv_split=None, out_dtype=None, out_scale=None,
+                 group_scales=None, quant_group=None, ue8m0=False, pass_through_from=None,
+                 indptr=None):
     """Merge split-KV partials whose stats are (max, sum) pairs (TensorRT-LLM layout).
 
     Parameters
@@ -214,7 +225,9 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
                 or a list/tuple of num_splits tensors (rows, head_dim) / (tokens, heads, head_dim)
         Unnormalised partial outputs O_i, bfloat16, float16 or float32. Any
         strides on every dim but head_dim (multiples of 16 bytes), unit stride
-        on head_dim, 16-byte aligned. head_dim is 64, 128, 256 or 512.
+        on head_dim, 16-byte aligned. head_dim is any whole number of 16-byte
+        vectors up to 1024 elements (a multiple of 8 for 16-bit partials, of 4
+        for float32).
         rows = tokens * heads, heads fastest. Parts in separate tensors merge
         without stacking: they must share dtype, shape and strides and lie
         equally far apart in memory (always so for two).
@@ -229,13 +242,32 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     split_counts : Tensor (*rows), int32, contiguous, optional
         Partials per row; splits at or past the count are never read.
     out : Tensor (*rows, head_dim), any strides but unit on head_dim, optional
-        Output; bfloat16/float16 (the partials' dtype when they are 16-bit).
+        Output: bfloat16, float16, float32, float8_e4m3fn or float8_e4m3fnuz, from
+        any partial dtype (default: the partials' dtype, bfloat16 for float32).
     return_stats : bool
         Also return float32 (*rows, 2) stats (M * scale_log2 / log2(e), L).
     kv_split : int, optional
         Force the KvSplit family with K in {1, 2, 4, 8, 16} (still halved to
         satisfy the kernel's constraints); None lets the dispatcher choose a
         config of either family.
+    out_dtype : torch.dtype, optional
+        The output dtype when ``out`` is not given.
+    out_scale : Tensor (1,), float32, optional
+        FP8 outputs: out = fp8(clamp(value / out_scale)), one scale for the tensor.
+    group_scales : Tensor (*rows, head_dim // quant_group), float32 or float8_e8m0fnu
+        FP8 outputs with a scale per group of ``quant_group`` (64 or 128) head-dim
+        elements, which the merge computes (max(amax, 1e-10) / the FP8 maximum,
+        rounded up to a power of two with ``ue8m0`` or an e8m0 tensor) and writes
+        here; any strides (row- or column-major).
+    pass_through_from : int, optional
+        Tokens from this index on take the last split as it is (output and stats);
+        only earlier tokens merge (vLLM's ``prefill_tokens_with_context``).
+    indptr : Tensor (tokens + 1,), int32 or int64, optional
+        Variable-length states: ``partial_o`` is (nnz, [heads,] head_dim), the stats
+        (nnz, [heads,] 2), and token t merges states indptr[t] .. indptr[t+1] - 1
+        (an empty range gives 0 and empty stats). Read by the kernel on the device;
+        checked on the host first, except during a CUDA-graph capture (where the
+        kernel clamps the ranges into the states).
 
     Returns
     -------
@@ -247,16 +279,19 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
             and _fast_merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
                             kv_split)):
         return out
-    if isinstance(partial_o, (list, tuple)):
+    extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
+                      indptr)
+    if extras is not None or isinstance(partial_o, (list, tuple)):
         return merge_call(MAXSUM, partial_o, partial_stats, scale_log2, sinks=sinks,
                           split_counts=split_counts, out=out, return_stats=return_stats,
-                          kv_split=kv_split)
+                          kv_split=kv_split, out_dtype=out_dtype, extras=extras or NO_EXTRAS)
     return _merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
                   return_stats, kv_split)
 
 
 def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None, out=None,
-              return_lse=False, kv_split=None):
+              return_lse=False, kv_split=None, out_dtype=None, out_scale=None, group_scales=None,
+              quant_group=None, ue8m0=False, pass_through_from=None, indptr=None):
     """Merge split-KV partials whose stats are log-sum-exps (FlashInfer/FlashAttention layout).
 
     Parameters
@@ -271,8 +306,9 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     sinks : Tensor (heads,), float32, optional
         Per-head sink logits in natural-log units, joining the sum as a state
         with zero output.
-    split_counts, out, kv_split
-        As in :func:`merge_maxsum`.
+    split_counts, out, kv_split, out_dtype, out_scale, group_scales, quant_group, ue8m0,
+    pass_through_from, indptr
+        As in :func:`merge_maxsum` (with indptr the LSE is (nnz, [heads])).
     return_lse : bool
         Also return the merged float32 (*rows) LSE, in ``base``.
 
@@ -284,10 +320,12 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     if (out is not None and not return_lse and not _is_compiling()
             and _fast_merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, kv_split)):
         return out
-    if isinstance(partial_o, (list, tuple)):
+    extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
+                      indptr)
+    if extras is not None or isinstance(partial_o, (list, tuple)):
         return merge_call(LSE, partial_o, partial_lse, base, sinks=sinks,
                           split_counts=split_counts, out=out, return_stats=return_lse,
-                          kv_split=kv_split)
+                          kv_split=kv_split, out_dtype=out_dtype, extras=extras or NO_EXTRAS)
     return _merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, return_lse,
                   kv_split)
 

@@ -234,8 +234,8 @@ def test_tune_spins_a_gpu_up_once_before_its_first_key(env, monkeypatch):
     (["--rows", ""], "--rows"),
     (["--rows", "-4"], "--rows"),
     (["--head-dim", "sixty"], "--head-dim"),
-    (["--head-dim", "96"], "head dim 96 is not supported"),
-    (["--head-dim", "128,96,1024"], "head dim 96, 1024 is not supported"),
+    (["--head-dim", "100"], "head dim 100 is not supported"),
+    (["--head-dim", "128,100,2048"], "head dim 100, 2048 is not supported"),
     (["--dtype", "int8"], "--dtype"),
     (["--format", "softmax"], "--format"),
     (["--l2", "lukewarm"], "--l2"),
@@ -361,25 +361,25 @@ def test_tune_pending_tunes_the_pending_keys_and_clears_them(env):
 
 
 def test_tune_pending_keeps_the_keys_that_failed(env):
-    good, bad = cpu_key(64, 8, 4), cpu_key(96, 8, 4)  # no kernel for head_dim 96
+    good, bad = cpu_key(64, 8, 4), cpu_key(100, 8, 4)  # 200 bytes: not whole 16-byte vectors
     pending.add(good)
     pending.add(bad)
     result = kvsplit("tune", "--pending", "--devices", "cpu", "--json")
     assert result.exit_code == 1
     summary = json.loads(result.stdout)
     assert (summary["tuned"], summary["failed"]) == (1, 1)
-    assert summary["failures"][0]["key"]["head_dim"] == 96 and "head_dim" in summary["failures"][0]["error"]
+    assert summary["failures"][0]["key"]["head_dim"] == 100 and "head_dim" in summary["failures"][0]["error"]
     assert pending.load() == [bad]
     assert [r.key for r in stored(env.url)] == [good]
 
 
 def test_tune_summary_for_people_has_no_none_and_failed_keys_in_words(env):
-    pending.add(cpu_key(96, 8, 4))  # no kernel for head_dim 96
+    pending.add(cpu_key(100, 8, 4))  # 200 bytes: not whole 16-byte vectors
     result = kvsplit("tune", "--pending", "--devices", "cpu")
     assert result.exit_code == 1
     assert "None" not in result.stdout and "ms_per_tuned_key" in result.stdout
     failed = [line for line in result.stderr.splitlines() if line.startswith("failed")]
-    assert failed and failed[0].startswith("failed D=96 bfloat16->bfloat16 maxsum num_splits=8 rows=4 on ")
+    assert failed and failed[0].startswith("failed D=100 bfloat16->bfloat16 maxsum num_splits=8 rows=4 on ")
     assert "{" not in failed[0] and "head_dim" in failed[0]
 
 

@@ -103,9 +103,8 @@ def test_split_counts_dtype(fmt, dtype):
 
 
 @pytest.mark.parametrize("partial_dtype, out_dtype", [
-    (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16),
-    (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-    (torch.float32, torch.float64), (torch.float16, torch.int16)])
+    (torch.float32, torch.float64), (torch.float16, torch.int16),
+    (torch.bfloat16, torch.float8_e5m2), (torch.bfloat16, torch.uint8)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_out_dtype(fmt, partial_dtype, out_dtype):
     args = valid_args(fmt, dtype=partial_dtype)
@@ -183,7 +182,7 @@ def test_partial_o_not_3d(fmt, shape):
     assert_rejected(fmt, args, ValueError, "partial_o")
 
 
-@pytest.mark.parametrize("head_dim", [8, 32, 96, 100, 192, 1024])
+@pytest.mark.parametrize("head_dim", [4, 12, 100, 1032, 2048])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_unsupported_head_dim(fmt, head_dim):
     args = valid_args(fmt, head_dim=head_dim)

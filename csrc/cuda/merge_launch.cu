@@ -1,5 +1,5 @@
-// Maps the runtime stats format, dtypes and family to the typed launchers,
-// which are instantiated one (dtypes, stats format) per file (see
+// Maps the runtime stats format, partial dtype and family to the typed launchers,
+// which are instantiated one (partial dtype, stats format) per file (see
 // CMakeLists.txt) so that they compile in parallel, and launches on the
 // tensors' device.
 #include <cuda_runtime.h>
@@ -9,10 +9,10 @@
 
 namespace kvsplit {
 
-template <DType kPartial, DType kOut, StatsFormat kFormat>
+template <DType kPartial, StatsFormat kFormat>
 Status launch_kvsplit_typed(const MergeParams& p, const KernelConfig& config, int sm_count,
                             bool pdl, cudaStream_t stream);
-template <DType kPartial, DType kOut, StatsFormat kFormat>
+template <DType kPartial, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
                            cudaStream_t stream);
 
@@ -51,13 +51,13 @@ Status merge_cuda(const MergeParams& call, const KernelConfig& config, const Cud
   if (guard.error() != cudaSuccess) return fail(Error::kCuda, guard.error());
   const auto stream = static_cast<cudaStream_t>(target.stream);
   KVSPLIT_DISPATCH_STATS_FORMAT(p.stats_format, kFormat, status, {
-    KVSPLIT_DISPATCH_DTYPES(p.partial_dtype, p.out_dtype, kPartial, kOut, status, {
+    KVSPLIT_DISPATCH_PARTIAL_DTYPE(p.partial_dtype, kPartial, status, {
       KVSPLIT_DISPATCH_FAMILY(config.family, kFamily, status, {
         if constexpr (kFamily == Family::kKvSplit) {
-          status = launch_kvsplit_typed<kPartial, kOut, kFormat>(p, config, target.sm_count,
-                                                                 target.pdl, stream);
+          status = launch_kvsplit_typed<kPartial, kFormat>(p, config, target.sm_count, target.pdl,
+                                                           stream);
         } else {
-          status = launch_dsplit_typed<kPartial, kOut, kFormat>(p, config, target.pdl, stream);
+          status = launch_dsplit_typed<kPartial, kFormat>(p, config, target.pdl, stream);
         }
       })
     })

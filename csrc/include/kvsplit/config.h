@@ -12,7 +12,14 @@
 
 namespace kvsplit {
 
-enum class DType : int32_t { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+enum class DType : int32_t {
+  kBFloat16 = 0,
+  kFloat16 = 1,
+  kFloat32 = 2,
+  kFloat8E4M3FN = 3,    // outputs only: OCP e4m3, max 448, NaN 0x7f/0xff
+  kFloat8E4M3FNUZ = 4,  // outputs only: e4m3 with bias 8, max 240, no -0, NaN 0x80
+  kFloat8E8M0FNU = 5,   // per-group scales only: a biased power-of-two exponent (ue8m0)
+};
 
 enum class StatsFormat : int32_t {
   kMaxSum = 0,  // float2 (raw max m_i, sum l_i) per split and row; O_i unnormalised
@@ -35,7 +42,9 @@ struct IntList {
   }
 };
 
-using HeadDims = IntList<64, 128, 256, 512>;
+// A row of partials is any whole number of 16-byte vectors, up to this many
+// elements (head_dim is a runtime value: no kernel is compiled per head dim).
+constexpr int kMaxHeadDim = 1024;
 // KvSplit: groups per CTA. 512 threads per CTA, each owning 16 bytes of a row.
 using KvSplitKvSplits = IntList<1, 2, 4, 8, 16>;
 constexpr int kKvSplitThreadsPerCta = 512;
@@ -48,15 +57,33 @@ using DsplitDepths = IntList<4, 8, 16>;
 constexpr int kDsplitMaxDepth = 16;  // the largest of DsplitDepths: a first round's bound
 constexpr int kBytesPerThread = 16;
 
-// (partial dtype, output dtype) pairs that are compiled: 16-bit partials
-// produce their own dtype; float32 partials produce either 16-bit dtype.
-KVSPLIT_HOST_DEVICE constexpr bool dtype_pair_compiled(DType partial, DType out) {
-  return out != DType::kFloat32 && (partial == DType::kFloat32 || partial == out);
+KVSPLIT_HOST_DEVICE constexpr bool is_partial_dtype(DType dtype) {
+  return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
+}
+KVSPLIT_HOST_DEVICE constexpr bool is_fp8(DType dtype) {
+  return dtype == DType::kFloat8E4M3FN || dtype == DType::kFloat8E4M3FNUZ;
+}
+
+// (partial dtype, output dtype) pairs: 16- and 32-bit partials, each into any
+// output dtype. The kernels are compiled per partial dtype; the output dtype
+// is a runtime switch of the store, done once per 16 bytes of partials.
+KVSPLIT_HOST_DEVICE constexpr bool dtype_pair_supported(DType partial, DType out) {
+  return is_partial_dtype(partial) && (is_partial_dtype(out) || is_fp8(out));
 }
 
 KVSPLIT_HOST_DEVICE constexpr int elem_bytes(DType dtype) {
-  return dtype == DType::kFloat32 ? 4 : 2;
+  return dtype == DType::kFloat32 ? 4 : is_fp8(dtype) || dtype == DType::kFloat8E8M0FNU ? 1 : 2;
 }
+
+// Whether rows of `head_dim` elements of `elem_bytes` bytes are whole 16-byte
+// vectors, at least one and at most kMaxHeadDim elements.
+KVSPLIT_HOST_DEVICE constexpr bool head_dim_supported(int head_dim, int elem_bytes) {
+  return head_dim >= 1 && head_dim <= kMaxHeadDim && elem_bytes > 0 &&
+         (head_dim * elem_bytes) % kBytesPerThread == 0;
+}
+
+// FP8 outputs with a scale per group of head-dim elements: the legal group sizes.
+using QuantGroups = IntList<64, 128>;
 
 // What the kernel runs: a family and its parameters. KvSplit uses kv_split
 // alone (slices 1, depth kKvSplitLoadDepth).
@@ -71,7 +98,7 @@ struct KernelConfig {
 // cudaError_t of a failed CUDA call.
 enum class Error : int32_t {
   kNone = 0,
-  kHeadDim,        // head_dim not in HeadDims
+  kHeadDim,        // head_dim not a whole number of 16-byte vectors of the partials, or too large
   kDtypes,         // (partial, out) dtype pair not compiled
   kStatsFormat,    // unknown stats format
   kFamily,         // unknown family
@@ -82,6 +109,8 @@ enum class Error : int32_t {
   kDepth,          // depth not a legal value of the family
   kDevice,         // a CUDA launch asked for on a build without CUDA kernels
   kCuda,           // a CUDA call failed
+  kQuantGroup,     // per-group FP8 scales: group not in QuantGroups or not dividing head_dim
+  kSplitRange,     // pass-through split out of range, or indptr with split_counts
 };
 
 struct Status {
@@ -102,7 +131,7 @@ KVSPLIT_HOST_DEVICE constexpr int kvsplit_rows_per_band(int head_dim, int elem_b
 // of a call (only the element size of the partial dtype matters).
 KVSPLIT_HOST_DEVICE constexpr Status check_config(const KernelConfig& config, int head_dim,
                                                   int elem_bytes) {
-  if (!HeadDims::contains(head_dim)) return fail(Error::kHeadDim, head_dim);
+  if (!head_dim_supported(head_dim, elem_bytes)) return fail(Error::kHeadDim, head_dim);
   if (config.family == Family::kKvSplit) {
     if (!KvSplitKvSplits::contains(config.kv_split)) return fail(Error::kKvSplit, config.kv_split);
     if (config.slices != 1) return fail(Error::kSlices, config.slices);

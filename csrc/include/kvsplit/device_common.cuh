@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "kvsplit/merge_math.h"
+#include "kvsplit/out_convert.h"
 #include "kvsplit/params.h"
 
 namespace kvsplit {
@@ -63,43 +64,124 @@ __device__ __forceinline__ float unpack(const Packed<kBytes>& packed, int v) {
   }
 }
 
-template <int kVec, DType kDType>
-__device__ __forceinline__ void store_vec(void* base, int64_t offset, const float (&src)[kVec]) {
-  static_assert(kVec % 2 == 0, "stores go in pairs");
-  using T = typename CudaType<kDType>::type;
-  uint32_t words[kVec / 2];
+// Packs kVec floats as `out` elements into 32-bit words (kVec * bytes of out / 4).
+template <int kVec, DType kOut>
+__device__ __forceinline__ void pack_out(const float (&src)[kVec], uint32_t* words) {
+  if constexpr (kOut == DType::kFloat32) {
 #pragma unroll
-  for (int i = 0; i < kVec / 2; ++i) {
-    if constexpr (kDType == DType::kBFloat16) {
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(src[2 * i], src[2 * i + 1]);
-      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    } else {
-      static_assert(kDType == DType::kFloat16, "outputs are 16-bit");
-      const __half2 pair = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
-      words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    for (int i = 0; i < kVec; ++i) words[i] = __float_as_uint(src[i]);
+  } else if constexpr (kOut == DType::kBFloat16 || kOut == DType::kFloat16) {
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      if constexpr (kOut == DType::kBFloat16) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(src[2 * i], src[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+      } else {
+        const __half2 pair = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+    }
+  } else {
+    constexpr bool kFnuz = kOut == DType::kFloat8E4M3FNUZ;
+#pragma unroll
+    for (int i = 0; i < kVec / 4; ++i) {
+      words[i] = uint32_t{float_to_e4m3(src[4 * i], kFnuz)} |
+                 uint32_t{float_to_e4m3(src[4 * i + 1], kFnuz)} << 8 |
+                 uint32_t{float_to_e4m3(src[4 * i + 2], kFnuz)} << 16 |
+                 uint32_t{float_to_e4m3(src[4 * i + 3], kFnuz)} << 24;
     }
   }
-  T* dst = static_cast<T*>(base) + offset;
-  if constexpr (kVec == 8) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
-  } else if constexpr (kVec == 4) {
+}
+
+// Stores kVec floats at element `offset` of `base` as kOut, in accesses of
+// up to 16 bytes (the row's output offset is a multiple of the store's size,
+// up to 16 bytes: layout validation checks it).
+template <int kVec, DType kOut>
+__device__ __forceinline__ void store_out(void* base, int64_t offset, const float (&src)[kVec]) {
+  constexpr int kBytes = kVec * elem_bytes(kOut);
+  static_assert(kBytes % 4 == 0, "stores are whole 32-bit words");
+  uint32_t words[kBytes / 4];
+  pack_out<kVec, kOut>(src, words);
+  char* dst = static_cast<char*>(base) + offset * elem_bytes(kOut);
+  if constexpr (kBytes >= 16) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      reinterpret_cast<uint4*>(dst)[i] =
+          make_uint4(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3]);
+    }
+  } else if constexpr (kBytes == 8) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
   } else {
     *reinterpret_cast<uint32_t*>(dst) = words[0];
   }
 }
 
+// The output dtype is a runtime value of the call: one switch per store.
+template <int kVec>
+__device__ __forceinline__ void store_any(DType out, void* base, int64_t offset,
+                                          const float (&src)[kVec]) {
+  switch (out) {
+    case DType::kBFloat16: store_out<kVec, DType::kBFloat16>(base, offset, src); break;
+    case DType::kFloat16: store_out<kVec, DType::kFloat16>(base, offset, src); break;
+    case DType::kFloat32: store_out<kVec, DType::kFloat32>(base, offset, src); break;
+    case DType::kFloat8E4M3FN: store_out<kVec, DType::kFloat8E4M3FN>(base, offset, src); break;
+    default: store_out<kVec, DType::kFloat8E4M3FNUZ>(base, offset, src); break;
+  }
+}
+
+// Scales FP8 outputs in place: by the per-tensor scale, or by the scale of
+// the vector's group of p.quant_group elements, whose lanes (a power of two
+// of them, aligned in the warp, all in `mask`) reduce its amax by shuffles;
+// the group's first lane writes its scale when `active`.
+template <int kVec>
+__device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVec],
+                                          const RowIndex& at, int col, bool active,
+                                          unsigned mask) {
+  float inverse = 1.f;
+  if (p.group_scales != nullptr) {
+    float amax = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) amax = max_keep_nan(amax, fabsf(out[v]));
+    const int group_lanes = p.quant_group / kVec;
+    for (int offset = 1; offset < group_lanes; offset <<= 1) {
+      amax = max_keep_nan(amax, __shfl_xor_sync(mask, amax, offset));
+    }
+    const bool ue8m0 = p.scale_ue8m0 || p.group_scales_dtype == DType::kFloat8E8M0FNU;
+    const float scale = group_scale(amax, p.out_dtype, ue8m0);
+    if (active && col % p.quant_group == 0) {
+      const int64_t at_scale = p.group_scales_row.at(at) + (col / p.quant_group) * p.group_scales_stride;
+      if (p.group_scales_dtype == DType::kFloat32) {
+        static_cast<float*>(p.group_scales)[at_scale] = scale;
+      } else {
+        static_cast<uint8_t*>(p.group_scales)[at_scale] = ue8m0_byte(scale);
+      }
+    }
+    inverse = 1.f / scale;
+  } else if (p.out_scale != nullptr) {
+    inverse = 1.f / __ldg(p.out_scale);
+  }
+  const float limit = fp8_max(p.out_dtype);
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse, limit);
+}
+
 // The last step for one row, by the threads holding its merged state: adds
-// the sink, normalises, stores 16 bytes of output per thread and, from the
-// thread at column 0, exports the row's stats in the call's format.
-template <int kVec, DType kOut, StatsFormat kFormat>
+// the sink, normalises, stores 16 bytes of partials' worth of output per
+// thread and, from the thread at column 0, exports the row's stats in the
+// call's format. Every thread of `mask` calls it (per-group FP8 scales
+// reduce across lanes); only `active` ones store.
+template <int kVec, StatsFormat kFormat>
 __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                                                    const MergeState<kVec>& state,
-                                                   const RowIndex& at, int col) {
-  const float sink_log2 = p.sinks != nullptr ? __ldg(p.sinks + row_head(p, at)) * kLog2E : neg_inf();
+                                                   const RowIndex& at, int col, bool active,
+                                                   unsigned mask) {
+  const float sink_log2 =
+      p.sinks != nullptr && active ? __ldg(p.sinks + row_head(p, at)) * kLog2E : neg_inf();
   float out[kVec], log2_total;
   const float total = state.finalize(sink_log2, out, log2_total);
-  store_vec<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
+  if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask);
+  if (!active) return;
+  store_any(p.out_dtype, p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {
     float* stats = p.out_stats + p.out_stats_row.at(at);
     if constexpr (kFormat == StatsFormat::kMaxSum) {

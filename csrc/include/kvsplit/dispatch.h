@@ -27,9 +27,6 @@ bool dispatch_int(IntList<kValues...>, int value, Body&& body) {
     STATUS = ::kvsplit::fail(ERROR, (runtime_value));                                                \
   }
 
-#define KVSPLIT_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, STATUS, ...) \
-  KVSPLIT_DISPATCH_LIST(::kvsplit::HeadDims, head_dim, HEAD_DIM, STATUS, ::kvsplit::Error::kHeadDim, __VA_ARGS__)
-
 #define KVSPLIT_DISPATCH_KVSPLIT_KV_SPLIT(kv_split, KV_SPLIT, STATUS, ...)            \
   KVSPLIT_DISPATCH_LIST(::kvsplit::KvSplitKvSplits, kv_split, KV_SPLIT, STATUS,       \
                         ::kvsplit::Error::kKvSplit, __VA_ARGS__)
@@ -58,27 +55,14 @@ bool dispatch_int(IntList<kValues...>, int value, Body&& body) {
     default: STATUS = ::kvsplit::fail(::kvsplit::Error::kStatsFormat, static_cast<int>(format)); \
   }
 
-// The compiled (partial dtype, output dtype) pairs (dtype_pair_compiled).
-#define KVSPLIT_DTYPE_PAIR(in, out) (static_cast<int>(in) * 4 + static_cast<int>(out))
-#define KVSPLIT_PAIR_CASE(IN, OUT, PARTIAL, OUTPUT, ...)                     \
-  case KVSPLIT_DTYPE_PAIR(IN, OUT): {                                        \
-    constexpr auto PARTIAL = IN;                                             \
-    constexpr auto OUTPUT = OUT;                                             \
-    __VA_ARGS__                                                              \
-    break;                                                                   \
-  }
-#define KVSPLIT_DISPATCH_DTYPES(partial_dtype, out_dtype, PARTIAL, OUTPUT, STATUS, ...)         \
-  switch (KVSPLIT_DTYPE_PAIR(partial_dtype, out_dtype)) {                                       \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kBFloat16, ::kvsplit::DType::kBFloat16,                 \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat16, ::kvsplit::DType::kFloat16,                   \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat32, ::kvsplit::DType::kBFloat16,                  \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
-    KVSPLIT_PAIR_CASE(::kvsplit::DType::kFloat32, ::kvsplit::DType::kFloat16,                   \
-                      PARTIAL, OUTPUT, __VA_ARGS__)                                             \
-    default: STATUS = ::kvsplit::fail(::kvsplit::Error::kDtypes,                                \
-                                      KVSPLIT_DTYPE_PAIR(partial_dtype, out_dtype));            \
+// The partial dtypes, each its own instantiation (the output dtype is a
+// runtime switch of the store).
+#define KVSPLIT_DISPATCH_PARTIAL_DTYPE(partial_dtype, PARTIAL, STATUS, ...)                  \
+  switch (partial_dtype) {                                                                 \
+    KVSPLIT_CASE(::kvsplit::DType::kBFloat16, PARTIAL, __VA_ARGS__)                        \
+    KVSPLIT_CASE(::kvsplit::DType::kFloat16, PARTIAL, __VA_ARGS__)                         \
+    KVSPLIT_CASE(::kvsplit::DType::kFloat32, PARTIAL, __VA_ARGS__)                         \
+    default: STATUS = ::kvsplit::fail(::kvsplit::Error::kDtypes, static_cast<int>(partial_dtype)); \
   }
 
 // A group's first load round holds 1..MAX partials (a runtime count), each

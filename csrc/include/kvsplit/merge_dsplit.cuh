@@ -112,7 +112,7 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 // positive scale and element offsets of 32 bits (dsplit_plain checks), so
 // nothing stands between the row index and the first load, a load's address is
 // one multiply-add and a stat goes into the merge as loaded.
-template <DType kPartial, DType kOut, StatsFormat kFormat, int kDepth, bool kPlain>
+template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain>
 __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
@@ -150,21 +150,24 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     }
     const int col = static_cast<int>(item & ((1 << geo.slices_log2) - 1)) * geo.slice_elems +
                     lane * kVec;
-    int num_splits = static_cast<int>(p.num_splits);
-    if (!kPlain && p.split_counts != nullptr) {
-      num_splits = min(max(__ldg(p.split_counts + row), 0), num_splits);
-    }
+    // Lanes past the slice's vectors (a row that is not a power of two of
+    // them) merge nothing and store nothing.
+    const bool holds = lane < geo.slice_vectors && col < p.head_dim;
+    SplitRange splits{0, static_cast<int>(p.num_splits)};
+    if constexpr (!kPlain) splits = row_splits(p, at, row);
+    const int num_splits = splits.count;
     MergeState<kVec> state;
     state.reset();
-    if (group < num_splits) {
+    if (holds && group < num_splits) {
       const int count = ((num_splits - group - 1) >> geo.kv_split_log2) + 1;
       const int first = count - (count - 1) / kDepth * kDepth;  // 1..kDepth
       // Flat rows: row r of a tensor starts at r * its row stride.
       const Index o_row = kPlain ? row * Index(p.o_row.head) : Index(p.o_row.at(at));
       const Index s_row = kPlain ? row * Index(p.stats_row.head) : Index(p.stats_row.at(at));
+      const Index first_split = Index(splits.begin) + group;
       const Partial* o = static_cast<const Partial*>(p.partial_o) +
-                         (group * Index(p.o_stride_split) + o_row + col);
-      const float* s = p.stats + (group * Index(p.stats_stride_split) + s_row);
+                         (first_split * Index(p.o_stride_split) + o_row + col);
+      const float* s = p.stats + (first_split * Index(p.stats_stride_split) + s_row);
       const Index o_step = kv_split * Index(p.o_stride_split);
       const Index s_step = kv_split * Index(p.stats_stride_split);
       merge_first_round<kDepth, kPartial, kFormat, kRaw>(state, first, o, s, o_step, s_step,
@@ -205,7 +208,10 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       if (warps > 1) __syncthreads();
       else __syncwarp();
     }
-    if (thread < lanes) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
+    if (thread < lanes) {
+      finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
+                                        lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u);
+    }
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }
 }
@@ -215,7 +221,10 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
 // every element offset it forms (rows, splits and a round's step past the
 // last split) below 2^30.
 inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
-  if (!p.flat_rows || p.row_mask != nullptr || p.split_counts != nullptr) return false;
+  if (!p.flat_rows || p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
+      p.pass_through_tokens != INT64_MAX) {
+    return false;
+  }
   if (KVSPLIT_DSPLIT_RAW_STATS && !(std::isnan(p.empty_stat) && p.log2_scale > 0.f)) return false;
   constexpr int64_t kLimit = int64_t{1} << 30;
   const int64_t splits =
@@ -228,7 +237,7 @@ inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
 }
 
 // Launches a checked DSplit config (check_config) on rows > 0.
-template <DType kPartial, DType kOut, StatsFormat kFormat>
+template <DType kPartial, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
                            cudaStream_t stream) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
@@ -247,9 +256,9 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
   const bool plain = dsplit_plain(p, geo);
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
     error = plain ? cudaLaunchKernelEx(&launch.config,
-                                       dsplit_kernel<kPartial, kOut, kFormat, kDepth, true>, p, geo)
+                                       dsplit_kernel<kPartial, kFormat, kDepth, true>, p, geo)
                   : cudaLaunchKernelEx(&launch.config,
-                                       dsplit_kernel<kPartial, kOut, kFormat, kDepth, false>, p,
+                                       dsplit_kernel<kPartial, kFormat, kDepth, false>, p,
                                        geo);
   })
   return error != cudaSuccess ? fail(Error::kCuda, error) : status;

@@ -38,20 +38,15 @@ constexpr int kCtasPerSm = kKvSplitCtasPerSm;
 #endif
 constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
 
-// Whether one group of 512 / K threads, 16 bytes each, holds a whole row.
-template <int kHeadDim, DType kPartial, int kKvSplit>
-constexpr bool group_holds_row() {
-  return kvsplit_rows_per_band(kHeadDim, elem_bytes(kPartial), kKvSplit) >= 1;
-}
-
-template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
+// One band of rows per CTA iteration: each group of 512 / K threads holds
+// rows_per_band whole rows of threads_per_row threads (16 bytes each); the
+// threads past them idle. The head dim is a runtime value, so one kernel per
+// K serves every head dim.
+template <DType kPartial, StatsFormat kFormat, int kKvSplit>
 __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
-    merge_kernel(const MergeParams p, int64_t num_bands) {
+    merge_kernel(const MergeParams p, int64_t num_bands, int threads_per_row, int rows_per_band) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kGroupThreads = kThreadsPerCta / kKvSplit;
-  constexpr int kThreadsPerRow = kHeadDim / kVec;
-  constexpr int kRowsPerBand = kGroupThreads / kThreadsPerRow;
-  static_assert(kRowsPerBand >= 1, "a group must hold a whole row");
   // Groups 1..K-1 park (m, l) and acc[kVec] here for group 0; acc is stored
   // vector-element-major so that a warp's stores hit consecutive banks.
   using Partial = typename CudaType<kPartial>::type;
@@ -61,30 +56,27 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 
   const int group = threadIdx.x / kGroupThreads;
   const int lane = threadIdx.x % kGroupThreads;
-  const int row_in_band = lane / kThreadsPerRow;
-  const int col = (lane % kThreadsPerRow) * kVec;
+  const int row_in_band = lane / threads_per_row;
+  const int col = (lane - row_in_band * threads_per_row) * kVec;
 
   pdl_wait();
   for (int64_t band = blockIdx.x; band < num_bands; band += gridDim.x) {
-    const int64_t row = band * kRowsPerBand + row_in_band;
+    const int64_t row = band * rows_per_band + row_in_band;
     const RowIndex at = locate_row(p, row);
-    const bool active = row < p.rows && row_selected(p, at);
+    const bool active = row_in_band < rows_per_band && row < p.rows && row_selected(p, at);
     MergeState<kVec> state;
     state.reset();
-    int num_splits = 0;
-    if (active) {
-      num_splits = static_cast<int>(p.num_splits);
-      if (p.split_counts != nullptr) {
-        num_splits = min(max(__ldg(p.split_counts + row), 0), num_splits);
-      }
-    }
+    SplitRange splits{0, 0};
+    if (active) splits = row_splits(p, at, row);
+    const int num_splits = splits.count;
     if (group < num_splits) {
       // Walk partials group, group + K, ... with cursors, kLoadUnroll at a
       // time, keeping them packed (16-bit) in registers until the multiply.
       const int count = (num_splits - group + kKvSplit - 1) / kKvSplit;
       const Partial* o_cursor = static_cast<const Partial*>(p.partial_o) +
-                                group * p.o_stride_split + p.o_row.at(at) + col;
-      const float* s_cursor = p.stats + group * p.stats_stride_split + p.stats_row.at(at);
+                                (splits.begin + group) * p.o_stride_split + p.o_row.at(at) + col;
+      const float* s_cursor =
+          p.stats + (splits.begin + group) * p.stats_stride_split + p.stats_row.at(at);
       const int64_t o_step = kKvSplit * p.o_stride_split;
       const int64_t s_step = kKvSplit * p.stats_stride_split;
 
@@ -152,39 +144,36 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 
     // With K > 1 the barrier above already orders every read before the export.
     if (kKvSplit == 1 && p.stats_in_place) __syncthreads();
-    if (group == 0 && active) finalize_and_store<kVec, kOut, kFormat>(p, state, at, col);
+    if (group == 0) finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu);
     // parked_* is reused by the next band; most small calls have none.
     if (kKvSplit > 1 && band + gridDim.x < num_bands) __syncthreads();
   }
 }
 
-template <int kHeadDim, DType kPartial, DType kOut, StatsFormat kFormat, int kKvSplit>
+template <DType kPartial, StatsFormat kFormat, int kKvSplit>
 cudaError_t launch_kvsplit_config(const MergeParams& p, int sm_count, bool pdl, cudaStream_t stream) {
-  constexpr int kRowsPerBand = kvsplit_rows_per_band(kHeadDim, elem_bytes(kPartial), kKvSplit);
-  const int64_t num_bands = (p.rows + kRowsPerBand - 1) / kRowsPerBand;
+  const int threads_per_row = p.head_dim * elem_bytes(kPartial) / kBytesPerThread;
+  const int rows_per_band = kvsplit_rows_per_band(p.head_dim, elem_bytes(kPartial), kKvSplit);
+  const int64_t num_bands = (p.rows + rows_per_band - 1) / rows_per_band;
   const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
   PdlLaunch launch(static_cast<unsigned>(num_bands < grid_cap ? num_bands : grid_cap),
                    kThreadsPerCta, 0, stream, pdl);
-  return cudaLaunchKernelEx(&launch.config,
-                            merge_kernel<kHeadDim, kPartial, kOut, kFormat, kKvSplit>, p,
-                            num_bands);
+  return cudaLaunchKernelEx(&launch.config, merge_kernel<kPartial, kFormat, kKvSplit>, p,
+                            num_bands, threads_per_row, rows_per_band);
 }
 
 // Launches a checked KvSplit config (check_config) on rows > 0.
-template <DType kPartial, DType kOut, StatsFormat kFormat>
+template <DType kPartial, StatsFormat kFormat>
 Status launch_kvsplit_typed(const MergeParams& p, const KernelConfig& config, int sm_count,
                             bool pdl, cudaStream_t stream) {
   Status status;
   cudaError_t error = cudaSuccess;
-  KVSPLIT_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, status, {
-    KVSPLIT_DISPATCH_KVSPLIT_KV_SPLIT(config.kv_split, kKvSplit, status, {
-      if constexpr (group_holds_row<kHeadDim, kPartial, kKvSplit>()) {
-        error = launch_kvsplit_config<kHeadDim, kPartial, kOut, kFormat, kKvSplit>(p, sm_count,
-                                                                                  pdl, stream);
-      } else {
-        status = fail(Error::kGroupHoldsRow, kKvSplit);
-      }
-    })
+  KVSPLIT_DISPATCH_KVSPLIT_KV_SPLIT(config.kv_split, kKvSplit, status, {
+    if (kvsplit_rows_per_band(p.head_dim, elem_bytes(kPartial), kKvSplit) >= 1) {
+      error = launch_kvsplit_config<kPartial, kFormat, kKvSplit>(p, sm_count, pdl, stream);
+    } else {
+      status = fail(Error::kGroupHoldsRow, kKvSplit);
+    }
   })
   return error != cudaSuccess ? fail(Error::kCuda, error) : status;
 }

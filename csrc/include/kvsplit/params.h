@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "kvsplit/dsplit_geometry.h"
+
 #include "kvsplit/config.h"
 
 namespace kvsplit {
@@ -41,6 +43,18 @@ struct MergeParams {
   // (batch * seqlen + token) * row_mask_stride -> 0: the row is neither read
   // nor written (FlashInfer's merge_state_in_place mask); null: every row.
   const uint8_t* row_mask = nullptr;
+  // Variable-length states: the splits of the row at (batch * seqlen + token)
+  // = t are indptr[t] .. indptr[t + 1] - 1 (read on the device), addressed
+  // from split 0 with o_stride_split / stats_stride_split; null: 0 .. num_splits - 1.
+  // int32, or int64 with indptr_int64.
+  const void* indptr = nullptr;
+  // FP8 outputs: out = fp8(clamp(value / scale)) with the scale *out_scale
+  // (per tensor), or per group of quant_group head-dim elements: the kernel
+  // takes scale = max(amax, eps) / fp8 max of the group (rounded up to a power
+  // of two with ue8m0) and writes it to group_scales (float32, or one ue8m0
+  // byte). Null: no scale (1).
+  const float* out_scale = nullptr;
+  void* group_scales = nullptr;
 
   int32_t head_dim = 0;
   DType partial_dtype = DType::kBFloat16;
@@ -58,6 +72,21 @@ struct MergeParams {
   RowStrides out_row;              // in elements
   RowStrides out_stats_row;        // in floats (a maxsum pair is two adjacent floats)
   int64_t row_mask_stride = 1;
+  // Rows whose (batch * seqlen + token) is at least this take split
+  // pass_through_split alone (vLLM's prefill_tokens_with_context): output and
+  // stats as they are. The default: every row merges.
+  int64_t pass_through_tokens = INT64_MAX;
+  int32_t pass_through_split = 0;
+  // Per-group FP8 scales (group_scales): elements per group (QuantGroups),
+  // the scales' strides over (batch, token, head) and from one group to the
+  // next (in scales), their dtype (float32 or kFloat8E8M0FNU) and whether a
+  // float32 scale is rounded up to a power of two.
+  int32_t quant_group = 0;
+  RowStrides group_scales_row;
+  int64_t group_scales_stride = 1;
+  DType group_scales_dtype = DType::kFloat32;
+  bool scale_ue8m0 = false;
+  bool indptr_int64 = false;
 
   // Multiplies a stat into the base-2 domain of merge_math.h:
   // maxsum: scale_log2; lse: 1 (base 2) or log2(e) (base e).
@@ -155,10 +184,24 @@ KVSPLIT_HOST_DEVICE inline bool row_selected(const MergeParams& p, const RowInde
 
 // The problem's own rules (the config's are check_config's).
 KVSPLIT_HOST_DEVICE constexpr Status check_problem(const MergeParams& p) {
-  if (!HeadDims::contains(p.head_dim)) return fail(Error::kHeadDim, p.head_dim);
-  if (!dtype_pair_compiled(p.partial_dtype, p.out_dtype)) {
-    return fail(Error::kDtypes, static_cast<int>(p.partial_dtype) * 4 + static_cast<int>(p.out_dtype));
+  if (!head_dim_supported(p.head_dim, elem_bytes(p.partial_dtype))) {
+    return fail(Error::kHeadDim, p.head_dim);
   }
+  if (!dtype_pair_supported(p.partial_dtype, p.out_dtype)) {
+    return fail(Error::kDtypes, static_cast<int>(p.partial_dtype) * 8 + static_cast<int>(p.out_dtype));
+  }
+  if (p.group_scales != nullptr) {
+    if (!is_fp8(p.out_dtype) || !QuantGroups::contains(p.quant_group) ||
+        p.head_dim % p.quant_group != 0 ||
+        (p.group_scales_dtype != DType::kFloat32 && p.group_scales_dtype != DType::kFloat8E8M0FNU)) {
+      return fail(Error::kQuantGroup, p.quant_group);
+    }
+  }
+  if (p.pass_through_tokens != INT64_MAX &&
+      (p.pass_through_split < 0 || p.pass_through_split >= p.num_splits)) {
+    return fail(Error::kSplitRange, p.pass_through_split);
+  }
+  if (p.indptr != nullptr && p.split_counts != nullptr) return fail(Error::kSplitRange, 0);
   if (p.stats_format != StatsFormat::kMaxSum && p.stats_format != StatsFormat::kLse) {
     return fail(Error::kStatsFormat, static_cast<int>(p.stats_format));
   }
@@ -166,12 +209,49 @@ KVSPLIT_HOST_DEVICE constexpr Status check_problem(const MergeParams& p) {
 }
 
 // The rules a call adds to its config's: an in-place stats export needs
-// every row inside one CTA.
+// every row inside one CTA, and a DSplit slice must hold whole groups of
+// per-group FP8 scales (whose maximum one group of lanes reduces).
 KVSPLIT_HOST_DEVICE constexpr Status check_call(const MergeParams& p, const KernelConfig& config) {
   if (p.stats_in_place && config.family == Family::kDSplit && config.slices != 1) {
     return fail(Error::kSlices, config.slices);
   }
+  if (p.group_scales != nullptr && config.family == Family::kDSplit && config.slices != 1 &&
+      dsplit_slice_vectors(p.head_dim, elem_bytes(p.partial_dtype), config.slices) *
+              kDsplitLaneBytes / elem_bytes(p.partial_dtype) % p.quant_group != 0) {
+    return fail(Error::kSlices, config.slices);
+  }
   return Status{};
+}
+
+// The splits of a row: `begin` and how many. Split counts clamp the count;
+// indptr gives both; a pass-through row takes its one split.
+struct SplitRange {
+  int64_t begin;
+  int count;
+};
+KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const RowIndex& at,
+                                                 int64_t row) {
+  SplitRange range{0, static_cast<int>(p.num_splits)};
+  if (p.split_counts != nullptr) {
+    const int32_t count = p.split_counts[row];
+    range.count = count < 0 ? 0 : count < range.count ? count : range.count;
+  }
+  if (p.indptr != nullptr || p.pass_through_tokens != INT64_MAX) {
+    const int64_t token = row_token_major(p, at);
+    if (token >= p.pass_through_tokens) return SplitRange{p.pass_through_split, 1};
+    if (p.indptr != nullptr) {
+      const int64_t begin = p.indptr_int64 ? static_cast<const int64_t*>(p.indptr)[token]
+                                           : static_cast<const int32_t*>(p.indptr)[token];
+      const int64_t end = p.indptr_int64 ? static_cast<const int64_t*>(p.indptr)[token + 1]
+                                         : static_cast<const int32_t*>(p.indptr)[token + 1];
+      // Clamped into the states (validation checks indptr, except in a CUDA-graph
+      // capture, where reading it on the host is not possible).
+      const int64_t first = begin < 0 ? 0 : begin < p.num_splits ? begin : p.num_splits;
+      const int64_t past = end < first ? first : end < p.num_splits ? end : p.num_splits;
+      range = SplitRange{first, static_cast<int>(past - first)};
+    }
+  }
+  return range;
 }
 
 // Where and how a CUDA merge launches.

@@ -2,7 +2,8 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests bench tune tune-adapters demo, or NAME for benchmarks/NAME.py
+#   stages: build tests all-tests bench tune tune-adapters demo suites, or NAME for
+#   benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
 set -uo pipefail
@@ -62,6 +63,10 @@ for stage in "${stages[@]}"; do
         KVSPLIT_DB=sqlite:////tmp/kvsplit-demo.sqlite python3 -P -m kvsplit demo 2>&1 | tee -a "$LOG"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       done ;;
+    suites)
+      # The engines' own merge tests against kvsplit.compat (carry .suites: see
+      # ../shared/engine-suites/README.md for how to assemble it).
+      OUT=$OUT bash .suites/run_suites.sh 2>&1 | tee -a "$LOG" ;;
     bench)
       python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -190,12 +190,22 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
     const RowIndex at = locate_row(p, row);
     if (!row_selected(p, at)) continue;
     const SplitRange splits = row_splits(p, at, row);
-    const float sink_log2 = p.sinks != nullptr ? p.sinks[row_head(p, at)] * kLog2E : neg_inf();
+    // A pass-through row: its split as it is, no sink, its raw stats exported.
+    const float* pass_stats =
+        splits.pass ? p.stats + splits.begin * p.stats_stride_split + p.stats_row.at(at) : nullptr;
+    const float sink_log2 = p.sinks != nullptr && !splits.pass
+                                ? p.sinks[row_head(p, at)] * kLog2E
+                                : neg_inf();
     float total = 0.f, log2_total = 0.f, m = 0.f;
     for (int col = 0; col < p.head_dim; col += kVec) {
       for (int group = 0; group < config.kv_split; ++group) {
         groups[group].reset();
-        if (group < splits.count) {
+        if (splits.pass) {
+          if (group > 0) continue;
+          groups[0].set_single(format == StatsFormat::kMaxSum ? pass_stats[1] : 1.f);
+          const int64_t base = splits.begin * p.o_stride_split + p.o_row.at(at) + col;
+          for (int d = 0; d < kVec; ++d) groups[0].acc[d] = load_elem<kPartial>(p.partial_o, base + d);
+        } else if (group < splits.count) {
           merge_group<kPartial>(groups[group], p, config, at, col, group, splits);
         }
       }
@@ -209,7 +219,11 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
     store_row(p.out_dtype, p.out, p.out_row.at(at), row_out.data(), p.head_dim);
     if (p.out_stats != nullptr) {
       float* stats = p.out_stats + p.out_stats_row.at(at);
-      if (format == StatsFormat::kMaxSum) {
+      if (pass_stats != nullptr) {
+        stats[0] = format == StatsFormat::kMaxSum ? pass_stats[0] * p.log2_scale * p.export_scale
+                                                  : pass_stats[0];
+        if (format == StatsFormat::kMaxSum) stats[1] = pass_stats[1];
+      } else if (format == StatsFormat::kMaxSum) {
         stats[0] = m * p.export_scale;
         stats[1] = total;
       } else {

@@ -2,8 +2,7 @@
 
 float32 partials (num_splits, batch, seqlen, num_heads, head_dim) and LSE
 (num_splits, batch, seqlen, num_heads), base e, any strides but on head_dim;
-the output is bfloat16 or float16 (kvsplit writes no float32, FlashAttention's
-default: pass ``out_dtype`` or ``out``).
+the output is float32 (FlashAttention's default), bfloat16 or float16.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from .._call import merge_call
 from ..layout import LSE
 
 __all__ = ["flash_attn_combine"]
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
@@ -29,10 +28,10 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
     (batch, seqlen, num_heads) laid out (batch, num_heads, seqlen) in memory,
     as FlashAttention returns it, base e.
     """
-    dtype = out.dtype if out is not None else out_dtype
+    dtype = out.dtype if out is not None else out_dtype or torch.float32
     if dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16 (kvsplit writes no "
-                        f"float32), got {dtype}")
+        raise TypeError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
+                        f"{dtype}")
     if out is not None and out_dtype is not None and out_dtype != out.dtype:
         raise TypeError(f"out_dtype {out_dtype} does not match out ({out.dtype})")
     _, batch, seqlen, num_heads, head_dim = out_partial.shape

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvsplit.compat import flash_attn, flashinfer, vllm
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
-TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 LSE_TOL = 1e-4
 
 
@@ -155,10 +155,18 @@ def test_flash_attn_combine(device, num_splits, batch, seqlen, heads, head_dim, 
     assert_close(out, lse, *merge_states_reference(v, s, math.e))
 
 
-def test_flash_attn_combine_needs_a_16_bit_output():
+def test_flash_attn_combine_returns_float32_by_default():
+    g = gen("fa3-default")
+    v, s = random_states(3, (1, 2, 2), 64, torch.float32, g)
+    out, lse = flash_attn.flash_attn_combine(v, s)
+    assert out.dtype == torch.float32
+    assert_close(out, lse, *merge_states_reference(v, s, math.e))
+
+
+def test_flash_attn_combine_refuses_an_output_dtype_it_cannot_write():
     out_partial = torch.zeros(2, 1, 1, 2, 64)
     with pytest.raises(TypeError, match="out_dtype"):
-        flash_attn.flash_attn_combine(out_partial, torch.zeros(2, 1, 1, 2))
+        flash_attn.flash_attn_combine(out_partial, torch.zeros(2, 1, 1, 2), out_dtype=torch.int8)
 
 
 # --- zero copy -------------------------------------------------------------------------

@@ -129,6 +129,22 @@ __device__ __forceinline__ void store_any(DType out, void* base, int64_t offset,
   }
 }
 
+// A pass-through row's split, as the state that finalize turns into it.
+template <int kVec, DType kPartial, StatsFormat kFormat>
+__device__ __forceinline__ const float* load_pass_through(const MergeParams& p,
+                                                          MergeState<kVec>& state,
+                                                          const RowIndex& at, int64_t split,
+                                                          int col) {
+  const float* stats = p.stats + split * p.stats_stride_split + p.stats_row.at(at);
+  state.set_single(kFormat == StatsFormat::kMaxSum ? __ldg(stats + 1) : 1.f);
+  const auto packed = load_packed<kBytesPerThread>(
+      static_cast<const typename CudaType<kPartial>::type*>(p.partial_o) +
+      split * p.o_stride_split + p.o_row.at(at) + col);
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) state.acc[v] = unpack<kPartial>(packed, v);
+  return stats;
+}
+
 // Scales FP8 outputs in place: by the per-tensor scale, or by the scale of
 // the vector's group of p.quant_group elements, whose lanes (a power of two
 // of them, aligned in the warp, all in `mask`) reduce its amax by shuffles;
@@ -170,13 +186,17 @@ __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVe
 // thread and, from the thread at column 0, exports the row's stats in the
 // call's format. Every thread of `mask` calls it (per-group FP8 scales
 // reduce across lanes); only `active` ones store.
+//
+// `pass_stats`: a pass-through row's raw stats, exported as they are (no sink).
 template <int kVec, StatsFormat kFormat>
 __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                                                    const MergeState<kVec>& state,
                                                    const RowIndex& at, int col, bool active,
-                                                   unsigned mask) {
-  const float sink_log2 =
-      p.sinks != nullptr && active ? __ldg(p.sinks + row_head(p, at)) * kLog2E : neg_inf();
+                                                   unsigned mask,
+                                                   const float* pass_stats = nullptr) {
+  const float sink_log2 = p.sinks != nullptr && active && pass_stats == nullptr
+                              ? __ldg(p.sinks + row_head(p, at)) * kLog2E
+                              : neg_inf();
   float out[kVec], log2_total;
   const float total = state.finalize(sink_log2, out, log2_total);
   if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask);
@@ -184,7 +204,14 @@ __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
   store_any(p.out_dtype, p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {
     float* stats = p.out_stats + p.out_stats_row.at(at);
-    if constexpr (kFormat == StatsFormat::kMaxSum) {
+    if (pass_stats != nullptr) {
+      if constexpr (kFormat == StatsFormat::kMaxSum) {
+        stats[0] = pass_stats[0] * p.log2_scale * p.export_scale;  // the merge's unit
+        stats[1] = pass_stats[1];
+      } else {
+        stats[0] = pass_stats[0];
+      }
+    } else if constexpr (kFormat == StatsFormat::kMaxSum) {
       stats[0] = state.m * p.export_scale;
       stats[1] = total;
     } else {

@@ -158,7 +158,12 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     const int num_splits = splits.count;
     MergeState<kVec> state;
     state.reset();
-    if (holds && group < num_splits) {
+    const float* pass_stats = nullptr;
+    if (!kPlain && splits.pass) {
+      if (holds && group == 0) {
+        pass_stats = load_pass_through<kVec, kPartial, kFormat>(p, state, at, splits.begin, col);
+      }
+    } else if (holds && group < num_splits) {
       const int count = ((num_splits - group - 1) >> geo.kv_split_log2) + 1;
       const int first = count - (count - 1) / kDepth * kDepth;  // 1..kDepth
       // Flat rows: row r of a tensor starts at r * its row stride.
@@ -210,7 +215,8 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     }
     if (thread < lanes) {
       finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
-                                        lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u);
+                                        lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u,
+                                        pass_stats);
     }
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }

@@ -69,7 +69,10 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     SplitRange splits{0, 0};
     if (active) splits = row_splits(p, at, row);
     const int num_splits = splits.count;
-    if (group < num_splits) {
+    const float* pass_stats = nullptr;
+    if (splits.pass) {
+      if (group == 0) pass_stats = load_pass_through<kVec, kPartial, kFormat>(p, state, at, splits.begin, col);
+    } else if (group < num_splits) {
       // Walk partials group, group + K, ... with cursors, kLoadUnroll at a
       // time, keeping them packed (16-bit) in registers until the multiply.
       const int count = (num_splits - group + kKvSplit - 1) / kKvSplit;
@@ -144,7 +147,9 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 
     // With K > 1 the barrier above already orders every read before the export.
     if (kKvSplit == 1 && p.stats_in_place) __syncthreads();
-    if (group == 0) finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu);
+    if (group == 0) {
+      finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu, pass_stats);
+    }
     // parked_* is reused by the next band; most small calls have none.
     if (kKvSplit > 1 && band + gridDim.x < num_bands) __syncthreads();
   }

@@ -148,6 +148,13 @@ struct MergeState {
     m = m_new;
   }
 
+  // A pass-through state: one split taken as it is, whatever its stat. An
+  // LSE split has l = 1; a maxsum split is divided by its sum l (0: empty).
+  KVSPLIT_HD void set_single(float l_in) {
+    m = l_in == 0.f ? neg_inf() : 0.f;
+    l = l_in;
+  }
+
   // Adds another group's state. An empty state (m = -inf) weighs 0 with the
   // same exponent offset as merge_batch, and its l and accumulators are 0
   // (its partials were weighed 0), so it adds nothing, with no test for it.

@@ -224,10 +224,14 @@ KVSPLIT_HOST_DEVICE constexpr Status check_call(const MergeParams& p, const Kern
 }
 
 // The splits of a row: `begin` and how many. Split counts clamp the count;
-// indptr gives both; a pass-through row takes its one split.
+// indptr gives both; a pass-through row takes its one split as it is: its
+// output unweighted (maxsum: divided by its sum) whatever its stat, no sink,
+// and its stats exported as they are (an LSE raw, +inf included; a maxsum
+// max in the exported unit).
 struct SplitRange {
   int64_t begin;
   int count;
+  bool pass = false;  // a pass-through row: split `begin` as it is
 };
 KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const RowIndex& at,
                                                  int64_t row) {
@@ -238,7 +242,7 @@ KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const Row
   }
   if (p.indptr != nullptr || p.pass_through_tokens != INT64_MAX) {
     const int64_t token = row_token_major(p, at);
-    if (token >= p.pass_through_tokens) return SplitRange{p.pass_through_split, 1};
+    if (token >= p.pass_through_tokens) return SplitRange{p.pass_through_split, 1, true};
     if (p.indptr != nullptr) {
       const int64_t begin = p.indptr_int64 ? static_cast<const int64_t*>(p.indptr)[token]
                                            : static_cast<const int32_t*>(p.indptr)[token];

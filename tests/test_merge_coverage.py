@@ -1,0 +1,298 @@
+"""What engines call beyond the power-of-two head dims and 16-bit outputs: any head dim
+of whole 16-byte vectors, float32 and FP8 outputs (per-tensor and per-group scales),
+pass-through rows and variable-length states, on the CPU twin and on CUDA, in both
+kernel families (each config pinned through ``KVSPLIT_MODE``), against float64.
+
+The configs of the DSplit family are written out here from its rules, independently
+of dispatch/: a slice is ceil(vectors / slices) vectors (no slice empty), on a power
+of two of 4..32 lanes of which more than half hold a vector; a CTA has 32..512 threads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvsplit
+from kvsplit.config import KernelConfig
+
+pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
+
+# (head_dim, partial dtype): the sizes engines use beyond 64/128/256/512, and the ends.
+SHAPES = [(8, torch.bfloat16), (32, torch.bfloat16), (48, torch.float16), (80, torch.bfloat16),
+          (96, torch.float16), (112, torch.bfloat16), (192, torch.bfloat16),
+          (576, torch.bfloat16), (1024, torch.bfloat16), (4, torch.float32), (96, torch.float32),
+          (200, torch.float32), (1024, torch.float32)]
+FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+OUT_TOL = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 1e-6}
+
+
+def dsplit_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[KernelConfig]:
+    vectors = head_dim * elem_bytes // 16
+    configs = []
+    for slices in (1, 2, 4, 8, 16):
+        per_slice = -(-vectors // slices)
+        if per_slice * (slices - 1) >= vectors:
+            continue
+        lanes = 1 << (per_slice - 1).bit_length()
+        if not (4 <= lanes <= 32 and 2 * per_slice > lanes):
+            continue
+        for kv_split in (1, 2, 4, 8, 16, 32, 64, 128):
+            if 32 <= lanes * kv_split <= 512 and kv_split <= num_splits:
+                configs += [KernelConfig.dsplit(slices, kv_split, depth) for depth in (4, 16)]
+    return configs
+
+
+def kvsplit_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[KernelConfig]:
+    return [KernelConfig.kvsplit(k) for k in (1, 2, 4, 8, 16)
+            if (512 // k) * 16 >= head_dim * elem_bytes and k <= num_splits]
+
+
+def pin(monkeypatch, config: KernelConfig) -> None:
+    mode = (f"dsplit:{config.slices}:{config.kv_split}:{config.depth}"
+            if config.family == "dsplit" else str(config.kv_split))
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
+
+
+def some_configs(head_dim, dtype, num_splits, device, gen) -> list[KernelConfig]:
+    """KvSplit K = 1, the largest legal KvSplit K and, on CUDA, three DSplit configs."""
+    elem = dtype.itemsize
+    kv = kvsplit_configs(head_dim, elem, num_splits)
+    configs = [kv[0], kv[-1]]
+    ds = dsplit_configs(head_dim, elem, num_splits)
+    if device == "cuda" and ds:
+        picks = torch.randint(0, len(ds), (3,), generator=gen).tolist()
+        configs += [ds[0], ds[-1]] + [ds[i] for i in picks]
+    return list(dict.fromkeys(configs))
+
+
+def assert_close_to(out, ref, out_dtype):
+    got = out.cpu().double()
+    tol = OUT_TOL[out_dtype]
+    torch.testing.assert_close(got, ref, rtol=tol, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim, dtype", SHAPES, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("fmt", ["maxsum", "lsee"])
+def test_head_dims_and_output_dtypes_match_reference(device, fmt, head_dim, dtype, merge_kit,
+                                                     monkeypatch):
+    gen = merge_kit.generator("coverage", fmt, head_dim, str(dtype))
+    num_splits, rows, heads = int(torch.randint(2, 40, (), generator=gen)), 12, 4
+    partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, dtype, gen)
+    sinks = torch.randn(heads, generator=gen)
+    scale = merge_kit.scale_log2(gen)
+    ref_out, ref_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale, sinks=sinks)
+    partial_o, stats, sinks = partial_o.to(device), stats.to(device), sinks.to(device)
+    for config in some_configs(head_dim, dtype, num_splits, device, gen):
+        pin(monkeypatch, config)
+        for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            out, out_stats = merge_kit.merge(fmt, partial_o, stats, scale=scale, sinks=sinks,
+                                             out_dtype=out_dtype)
+            assert out.dtype == out_dtype and out.shape == (rows, head_dim)
+            assert_close_to(out, ref_out, out_dtype)
+            torch.testing.assert_close(out_stats.cpu().double(), ref_stats.float().double(),
+                                       rtol=1e-5, atol=1e-6)
+
+
+def fp8_reference(values: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """values / scale clamped to the format's range, rounded to ``fp8`` (as float64)."""
+    limit = FP8[fp8]
+    return (values / scale).clamp(-limit, limit).float().to(fp8).double()
+
+
+def assert_fp8_within_one_ulp(out: torch.Tensor, expected: torch.Tensor, fp8: torch.dtype):
+    """Each FP8 value equals the expected one or a neighbour (one ulp) of it."""
+    got = out.cpu().double()
+    # e4m3: 3 mantissa bits, so one ulp is 2^(floor(log2 |x|) - 3), at least the subnormal step.
+    tiny = 2.0 ** (-9 if fp8 == torch.float8_e4m3fn else -10)
+    magnitude = torch.maximum(got.abs(), expected.abs()).clamp_min(tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - 3).clamp_min(tiny)
+    assert ((got - expected).abs() <= ulp * 1.0001).all(), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("fp8", list(FP8), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("head_dim, dtype", [(128, torch.bfloat16), (96, torch.float16),
+                                             (576, torch.bfloat16), (64, torch.float32)],
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_fp8_output_with_one_scale(device, fp8, head_dim, dtype, merge_kit, monkeypatch):
+    gen = merge_kit.generator("fp8", str(fp8), head_dim, str(dtype))
+    num_splits, rows = 9, 16
+    partial_o, lse = merge_kit.partials("lsee", num_splits, rows, head_dim, dtype, gen)
+    partial_o = partial_o * 300  # some values past the format's range: clamped, never NaN
+    ref_out, ref_lse = merge_kit.reference("lsee", partial_o, lse)
+    scale = torch.tensor([0.75])
+    expected = fp8_reference(ref_out, 0.75, fp8)
+    for config in some_configs(head_dim, dtype, num_splits, device, gen):
+        pin(monkeypatch, config)
+        out, out_lse = kvsplit.merge_lse(partial_o.to(device), lse.to(device), base=math.e,
+                                         out_dtype=fp8, out_scale=scale.to(device),
+                                         return_lse=True)
+        assert out.dtype == fp8 and not out.float().isnan().any()
+        assert_fp8_within_one_ulp(out.float(), expected, fp8)
+        torch.testing.assert_close(out_lse.cpu().double(), ref_lse.float().double(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("scales_dtype, ue8m0", [(torch.float32, False), (torch.float32, True),
+                                                 (torch.float8_e8m0fnu, False)],
+                         ids=["float32", "float32-ue8m0", "e8m0"])
+@pytest.mark.parametrize("quant_group", [64, 128])
+@pytest.mark.parametrize("head_dim", [128, 192, 512, 576])
+def test_fp8_output_with_per_group_scales(device, head_dim, quant_group, scales_dtype, ue8m0,
+                                          merge_kit, monkeypatch):
+    if head_dim % quant_group:
+        pytest.skip("the group must divide head_dim")
+    fp8 = torch.float8_e4m3fn
+    gen = merge_kit.generator("fp8-group", head_dim, quant_group, str(scales_dtype), ue8m0)
+    num_splits, tokens, heads = 6, 5, 3
+    rows = tokens * heads
+    partial_o, lse = merge_kit.partials("lse2", num_splits, rows, head_dim, torch.bfloat16, gen)
+    # Groups of very different magnitudes, one all zero.
+    partial_o = partial_o * torch.logspace(-3, 3, head_dim // quant_group).repeat_interleave(
+        quant_group)
+    partial_o[:, 0, :quant_group] = 0
+    ref_out, _ = merge_kit.reference("lse2", partial_o, lse)
+    groups = ref_out.view(rows, -1, quant_group)
+    ref_scales = groups.abs().amax(-1).clamp_min(1e-10) / 448.0
+    if ue8m0 or scales_dtype != torch.float32:
+        ref_scales = torch.exp2(torch.ceil(torch.log2(ref_scales)))
+    expected = fp8_reference(groups, ref_scales.unsqueeze(-1), fp8).view(rows, head_dim)
+    view = lambda t: t.view(num_splits, tokens, heads, *t.shape[2:])  # noqa: E731
+    for config in some_configs(head_dim, torch.bfloat16, num_splits, device, gen):
+        pin(monkeypatch, config)
+        # Column-major scales, as DeepGEMM reads them: (tokens, heads, groups) with groups slowest.
+        scales = torch.full((head_dim // quant_group, tokens, heads), 7.0).to(
+            device=device, dtype=scales_dtype).permute(1, 2, 0)
+        out = kvsplit.merge_lse(view(partial_o).to(device), view(lse).to(device),
+                                out_dtype=fp8, group_scales=scales, quant_group=quant_group,
+                                ue8m0=ue8m0)
+        got_scales = scales.float().cpu().reshape(rows, -1).double()
+        torch.testing.assert_close(got_scales, ref_scales, rtol=1e-6, atol=0)
+        assert_fp8_within_one_ulp(out.float().reshape(rows, head_dim), expected, fp8)
+
+
+@pytest.mark.parametrize("fmt", ["maxsum", "lsee"])
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_pass_through_rows_take_the_last_split_as_it_is(device, fmt, head_dim, merge_kit,
+                                                        monkeypatch):
+    """Tokens from P on: the last split's output (maxsum: over its sum) and stats as they are,
+    an empty or +inf LSE included (vLLM copies the suffix state)."""
+    gen = merge_kit.generator("pass-through", fmt, head_dim)
+    num_splits, tokens, heads = 2, 9, 4
+    rows = tokens * heads
+    partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16, gen,
+                                          empty_fraction=0.3)
+    if fmt != "maxsum":  # vLLM's empty suffix: +inf, in the last token (always passed through)
+        stats[-1, -heads:] = math.inf
+    scale = merge_kit.scale_log2(gen)
+    merged_out, merged_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale)
+    if fmt == "maxsum":
+        last_out, last_stats = merge_kit.reference(fmt, partial_o[-1:], stats[-1:], scale=scale)
+    else:
+        last_out, last_stats = partial_o[-1].double(), stats[-1].double()
+    sinks = torch.randn(heads, generator=gen) if fmt == "maxsum" else None
+    if sinks is not None:
+        merged_out, merged_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale,
+                                                       sinks=sinks)
+    for p in (0, 4, tokens - 1):
+        cut = p * heads
+        ref_out = torch.cat([merged_out[:cut], last_out[cut:]])
+        ref_stats = torch.cat([merged_stats[:cut], last_stats[cut:]])
+        for config in some_configs(head_dim, torch.bfloat16, num_splits, device, gen):
+            pin(monkeypatch, config)
+            out, out_stats = merge_kit.merge(
+                fmt, partial_o.view(num_splits, tokens, heads, head_dim).to(device),
+                stats.view(num_splits, tokens, heads, *stats.shape[2:]).to(device), scale=scale,
+                pass_through_from=p, sinks=None if sinks is None else sinks.to(device))
+            out, out_stats = out.reshape(rows, head_dim).cpu(), out_stats.reshape(ref_stats.shape)
+            torch.testing.assert_close(out.double(), ref_out, rtol=2 ** -8, atol=1e-5)
+            torch.testing.assert_close(out_stats.cpu().double(), ref_stats.float().double(),
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("indptr_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("fmt", ["maxsum", "lse2"])
+def test_variable_length_states(device, fmt, indptr_dtype, merge_kit, monkeypatch):
+    gen = merge_kit.generator("varlen", fmt, str(indptr_dtype))
+    heads, head_dim = 3, 80
+    lengths = [3, 0, 1, 17, 5, 0, 2]
+    indptr = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    nnz = int(indptr[-1])
+    partial_o, stats = merge_kit.partials(fmt, nnz, heads, head_dim, torch.bfloat16, gen)
+    scale = merge_kit.scale_log2(gen)
+    ref_out, ref_stats = [], []
+    for t in range(len(lengths)):
+        a, b = int(indptr[t]), int(indptr[t + 1])
+        if a == b:
+            ref_out.append(torch.zeros(heads, head_dim, dtype=torch.float64))
+            ref_stats.append(merge_kit.reference(fmt, partial_o[:1], stats[:1].clone().fill_(
+                -math.inf) if fmt != "maxsum" else torch.stack(
+                    [torch.full((1, heads), -math.inf), torch.zeros(1, heads)], -1),
+                scale=scale)[1])
+        else:
+            o, s = merge_kit.reference(fmt, partial_o[a:b], stats[a:b], scale=scale)
+            ref_out.append(o)
+            ref_stats.append(s)
+    ref_out, ref_stats = torch.stack(ref_out), torch.stack(ref_stats)
+    for config in some_configs(head_dim, torch.bfloat16, 4, device, gen):
+        pin(monkeypatch, config)
+        out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale,
+                                         indptr=indptr.to(device=device, dtype=indptr_dtype))
+        assert out.shape == (len(lengths), heads, head_dim)
+        merge_kit.assert_matches_reference(out.reshape(-1, head_dim),
+                                           out_stats.reshape(-1, *ref_stats.shape[2:]),
+                                           ref_out.reshape(-1, head_dim),
+                                           ref_stats.reshape(-1, *ref_stats.shape[2:]))
+
+
+def lse_args(head_dim=64, dtype=torch.bfloat16, num_splits=3, rows=4):
+    return torch.zeros(num_splits, rows, head_dim, dtype=dtype), torch.zeros(num_splits, rows)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(out_dtype=torch.float8_e4m3fn, out_scale=torch.ones(2)), ValueError, "out_scale"),
+    (dict(out_dtype=torch.float8_e4m3fn, out_scale=torch.ones(1, dtype=torch.float64)), TypeError,
+     "out_scale"),
+    (dict(out_dtype=torch.bfloat16, out_scale=torch.ones(1)), ValueError, "out_scale"),
+    (dict(out_dtype=torch.float8_e4m3fn, group_scales=torch.ones(4, 1), quant_group=96),
+     ValueError, "quant_group"),
+    (dict(out_dtype=torch.float8_e4m3fn, group_scales=torch.ones(4, 2), quant_group=64),
+     ValueError, "group_scales"),
+    (dict(out_dtype=torch.float8_e4m3fn, group_scales=torch.ones(4, 1, dtype=torch.float16),
+          quant_group=64), TypeError, "group_scales"),
+    (dict(out_dtype=torch.float8_e4m3fn, quant_group=64), ValueError, "group_scales"),
+    (dict(pass_through_from=5), ValueError, "pass_through_from"),
+    (dict(pass_through_from=-1), ValueError, "pass_through_from"),
+    (dict(pass_through_from=1.5), TypeError, "pass_through_from"),
+    (dict(out_dtype=torch.float64), TypeError, "out_dtype"),
+])
+def test_bad_options_are_refused_before_anything_is_written(kwargs, error, words):
+    partial_o, lse = lse_args()
+    before = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(error, match=words):
+        kvsplit.merge_lse(partial_o, lse, **kwargs)
+    for name, value in before.items():
+        assert torch.equal(kwargs[name], value), f"{name} was written"
+
+
+@pytest.mark.parametrize("indptr, words", [
+    (torch.tensor([0, 2, 1, 3], dtype=torch.int32), "non-decreasing"),
+    (torch.tensor([0, 2, 4], dtype=torch.int32), "past the 3 states"),
+    (torch.tensor([-1, 2], dtype=torch.int64), "non-decreasing"),
+    (torch.tensor([0.0, 1.0]), "int32 or int64"),
+    (torch.tensor([[0, 1]], dtype=torch.int32), "1-D"),
+])
+def test_bad_indptr_is_refused(indptr, words):
+    partial_o, lse = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3)
+    with pytest.raises(ValueError, match=words):
+        kvsplit.merge_lse(partial_o, lse, indptr=indptr)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(4, torch.bfloat16), (100, torch.bfloat16),
+                                             (2, torch.float32), (1028, torch.bfloat16)])
+def test_head_dim_not_whole_vectors_is_refused(head_dim, dtype):
+    partial_o, lse = lse_args(head_dim, dtype)
+    with pytest.raises(ValueError, match=rf"head_dim {head_dim} is not supported"):
+        kvsplit.merge_lse(partial_o, lse)

@@ -137,6 +137,33 @@ def test_vllm_merge_attn_states(device, tokens, heads, head_dim, with_lse):
     assert_close(output, output_lse.t() if with_lse else ref_s.float(), ref_v, ref_s)
 
 
+@pytest.mark.parametrize("prefill_tokens_with_context", [0, 5, 12])
+@pytest.mark.parametrize("head_dim, dtype", [(96, torch.float32), (48, torch.float16),
+                                             (192, torch.bfloat16)])
+def test_vllm_pass_through_and_fp8_output(device, head_dim, dtype, prefill_tokens_with_context):
+    """vLLM's eight-argument call: tokens from prefill_tokens_with_context on copy the suffix
+    (output and LSE, +inf included); output_scale gives fp8(clamp(merged / scale))."""
+    tokens, heads, p = 12, 4, prefill_tokens_with_context
+    v, s = random_states(2, (tokens, heads), head_dim, dtype, gen("vllm8", head_dim, p),
+                         pos_inf=0.15)
+    ref_v, ref_s = merge_states_reference(v, s, math.e, inf_is_empty=True)
+    ref_v[p:], ref_s[p:] = v[1][p:].double(), s[1][p:].double()
+    scale = torch.tensor([0.02])
+    expected = (ref_v / 0.02).clamp(-448, 448).float().to(torch.float8_e4m3fn).double()
+    output = torch.empty(tokens, heads, head_dim, dtype=torch.float8_e4m3fn, device=device)
+    output_lse = torch.empty(heads, tokens, device=device)
+    vllm.merge_attn_states(output, v[0].to(device), s[0].t().contiguous().to(device),
+                           v[1].to(device), s[1].t().contiguous().to(device), output_lse, p,
+                           scale.to(device))
+    got = output.cpu().double()
+    ulp = torch.exp2(torch.floor(torch.log2(got.abs().clamp_min(2 ** -6))) - 3)
+    assert ((got - expected).abs() <= ulp + 2 ** -9).all()
+    lse = output_lse.t().cpu().double()
+    same = torch.isfinite(ref_s) | (ref_s == math.inf)
+    torch.testing.assert_close(lse[same], ref_s[same], rtol=1e-5, atol=1e-5)
+    assert (lse[~same] == -math.inf).all()
+
+
 # --- FlashAttention 3 ------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,6 +65,13 @@ __device__ __forceinline__ float unpack(const Packed<kBytes>& packed, int v) {
   }
 }
 
+// Whether the device converts to e4m3 in hardware (sm_89 and later).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define KVSPLIT_HARDWARE_E4M3 1
+#else
+#define KVSPLIT_HARDWARE_E4M3 0
+#endif
+
 // Packs kVec floats as `out` elements into 32-bit words (kVec * bytes of out / 4).
 template <int kVec, DType kOut>
 __device__ __forceinline__ void pack_out(const float (&src)[kVec], uint32_t* words) {
@@ -80,6 +88,17 @@ __device__ __forceinline__ void pack_out(const float (&src)[kVec], uint32_t* wor
         const __half2 pair = __floats2half2_rn(src[2 * i], src[2 * i + 1]);
         words[i] = *reinterpret_cast<const uint32_t*>(&pair);
       }
+    }
+  } else if constexpr (kOut == DType::kFloat8E4M3FN && KVSPLIT_HARDWARE_E4M3) {
+    // Ada and later convert two floats per instruction (round to nearest even,
+    // finite values saturated: the software path's results, bit for bit).
+#pragma unroll
+    for (int i = 0; i < kVec / 4; ++i) {
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(src[4 * i], src[4 * i + 1]),
+                                                   __NV_SATFINITE, __NV_E4M3);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(src[4 * i + 2], src[4 * i + 3]),
+                                                   __NV_SATFINITE, __NV_E4M3);
+      words[i] = lo | hi << 16;
     }
   } else {
     constexpr bool kFnuz = kOut == DType::kFloat8E4M3FNUZ;
@@ -149,11 +168,16 @@ __device__ __forceinline__ const float* load_pass_through(const MergeParams& p,
 // the vector's group of p.quant_group elements, whose lanes (a power of two
 // of them, aligned in the warp, all in `mask`) reduce its amax by shuffles;
 // the group's first lane writes its scale when `active`.
+// The inverse of a per-tensor FP8 scale (1 without one), loaded by each
+// kernel before its merge so that the load's latency hides behind it.
+__device__ __forceinline__ float load_inverse_scale(const MergeParams& p) {
+  return p.out_scale != nullptr ? 1.f / __ldg(p.out_scale) : 1.f;
+}
+
 template <int kVec>
 __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVec],
                                           const RowIndex& at, int col, bool active,
-                                          unsigned mask) {
-  float inverse = 1.f;
+                                          unsigned mask, float inverse) {
   if (p.group_scales != nullptr) {
     float amax = 0.f;
 #pragma unroll
@@ -173,8 +197,6 @@ __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVe
       }
     }
     inverse = 1.f / scale;
-  } else if (p.out_scale != nullptr) {
-    inverse = 1.f / __ldg(p.out_scale);
   }
   const float limit = fp8_max(p.out_dtype);
 #pragma unroll
@@ -187,19 +209,20 @@ __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVe
 // call's format. Every thread of `mask` calls it (per-group FP8 scales
 // reduce across lanes); only `active` ones store.
 //
-// `pass_stats`: a pass-through row's raw stats, exported as they are (no sink).
+// `inverse_scale`: load_inverse_scale's. `pass_stats`: a pass-through row's raw
+// stats, exported as they are (no sink).
 template <int kVec, StatsFormat kFormat>
 __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                                                    const MergeState<kVec>& state,
                                                    const RowIndex& at, int col, bool active,
-                                                   unsigned mask,
+                                                   unsigned mask, float inverse_scale,
                                                    const float* pass_stats = nullptr) {
   const float sink_log2 = p.sinks != nullptr && active && pass_stats == nullptr
                               ? __ldg(p.sinks + row_head(p, at)) * kLog2E
                               : neg_inf();
   float out[kVec], log2_total;
   const float total = state.finalize(sink_log2, out, log2_total);
-  if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask);
+  if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask, inverse_scale);
   if (!active) return;
   store_any(p.out_dtype, p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {

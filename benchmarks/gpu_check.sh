@@ -2,7 +2,7 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests bench tune tune-adapters demo suites, or NAME for
+#   stages: build tests all-tests bench tune tune-adapters tune-coverage demo suites, or NAME for
 #   benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
@@ -55,6 +55,16 @@ for stage in "${stages[@]}"; do
         2>&1 | tee -a "$LOG" | tail -6
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 -P -m kvsplit db export --out "$OUT/tuned-h200-adapters.json" ;;
+    tune-coverage)
+      # Head dims beyond the powers of two and FP8 outputs at the adapters' shapes, in a
+      # database of their own (exported for the package as nvidia-h200-coverage.json).
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit tune \
+        --head-dim 80,96,192,576 --dtype bfloat16 --out-dtype same,float8_e4m3fn \
+        --format lse,lse:scattered --num-splits 2,16,64 --rows 16,128,1024 \
+        2>&1 | tee -a "$LOG" | tail -6
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit db export \
+        --out "$OUT/tuned-h200-coverage.json" ;;
     demo)
       # The README's main job twice on a fresh database: the second process
       # must reuse the stored choice without profiling.

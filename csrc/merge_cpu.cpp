@@ -91,7 +91,7 @@ void merge_batch_at(MergeState<kVec>& state, const MergeParams& p, StatsFormat f
     const int64_t split = u < live ? first + u * kv_split : last;
     const float* stat = p.stats + split * p.stats_stride_split + p.stats_row.at(row);
     l_in[u] = format == StatsFormat::kMaxSum ? stat[1] : 1.f;
-    m_in[u] = u < live && stat[0] != p.empty_stat ? stat[0] * p.log2_scale : neg_inf();
+    m_in[u] = u < live && stat[0] != p.empty_stat ? stat[0] : neg_inf();
     const int64_t base = split * p.o_stride_split + p.o_row.at(row) + col;
     for (int d = 0; d < kVec; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
   }
@@ -164,7 +164,7 @@ void combine_groups(std::vector<MergeState<kVec>>& groups, const KernelConfig& c
   if (warps == 1) return;
   std::vector<MergeState<kVec>> positions(per_warp);
   for (int q = 0; q < per_warp; ++q) {
-    positions[q].reset();
+    positions[q].reset(groups[0].scale);
     for (int w = q; w < warps; w += per_warp) {
       const auto& total = groups[w * per_warp];
       positions[q].combine(total.m, total.l, total.acc, 1);
@@ -196,10 +196,10 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
     const float sink_log2 = p.sinks != nullptr && !splits.pass
                                 ? p.sinks[row_head(p, at)] * kLog2E
                                 : neg_inf();
-    float total = 0.f, log2_total = 0.f, m = 0.f;
+    float total = 0.f, log2_rel = 0.f;
     for (int col = 0; col < p.head_dim; col += kVec) {
       for (int group = 0; group < config.kv_split; ++group) {
-        groups[group].reset();
+        groups[group].reset(p.log2_scale);
         if (splits.pass) {
           if (group > 0) continue;
           groups[0].set_single(format == StatsFormat::kMaxSum ? pass_stats[1] : 1.f);
@@ -211,8 +211,7 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
       }
       combine_groups(groups, config, lanes);
       float out[kVec];
-      total = groups[0].finalize(sink_log2, out, log2_total);
-      m = groups[0].m;
+      total = groups[0].finalize(sink_log2, out, log2_rel);
       std::copy(out, out + kVec, row_out.begin() + col);
     }
     if (is_fp8(p.out_dtype)) scale_fp8_row(p, at, row_out.data());
@@ -220,14 +219,14 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
     if (p.out_stats != nullptr) {
       float* stats = p.out_stats + p.out_stats_row.at(at);
       if (pass_stats != nullptr) {
-        stats[0] = format == StatsFormat::kMaxSum ? pass_stats[0] * p.log2_scale * p.export_scale
+        stats[0] = format == StatsFormat::kMaxSum ? pass_stats[0] * (p.log2_scale * p.export_scale)
                                                   : pass_stats[0];
         if (format == StatsFormat::kMaxSum) stats[1] = pass_stats[1];
       } else if (format == StatsFormat::kMaxSum) {
-        stats[0] = m * p.export_scale;
+        stats[0] = groups[0].m * (groups[0].scale * p.export_scale);
         stats[1] = total;
       } else {
-        stats[0] = log2_total * p.export_scale;
+        stats[0] = groups[0].exported_log2_total(sink_log2, log2_rel, p.export_scale);
       }
     }
   }

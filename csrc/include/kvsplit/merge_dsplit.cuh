@@ -50,14 +50,14 @@ template <int kDepth>
 inline constexpr int kDsplitMinCtas = kDepth >= KVSPLIT_DSPLIT_ROOMY_DEPTH ? 1 : 0;
 
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
-// kRawStats: no stat is the empty-split sentinel and log2_scale > 0 (dsplit_plain
-// checks), so the stats go into the merge as loaded and the scale is applied there.
+// kRawStats: no stat is the empty-split sentinel (dsplit_plain checks), so the
+// stats go into the merge as loaded.
 template <int kDepth, DType kPartial, StatsFormat kFormat, bool kRawStats, int kVec,
           typename Index>
 __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, Index o_step, Index s_step,
-                                                  float log2_scale, float empty_stat) {
+                                                  float empty_stat) {
   Packed<kDsplitLaneBytes> packed[kDepth];
   float m_in[kDepth], l_in[kDepth];
 #pragma unroll
@@ -67,12 +67,11 @@ __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
     if constexpr (kRawStats) {
       m_in[u] = m_raw;
     } else {
-      m_in[u] = m_raw != empty_stat ? m_raw * log2_scale : neg_inf();
+      m_in[u] = m_raw != empty_stat ? m_raw : neg_inf();
     }
     l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
   }
-  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); },
-                    kRawStats ? log2_scale : 1.f);
+  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
 }
 
 template <int kVec>
@@ -92,10 +91,10 @@ template <int kDepth, DType kPartial, StatsFormat kFormat, bool kRawStats, int k
 __device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, Index o_step, Index s_step,
-                                                  float log2_scale, float empty_stat) {
+                                                  float empty_stat) {
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
     merge_exact_batch<kCount, kPartial, kFormat, kRawStats>(state, o, s, o_step, s_step,
-                                                            log2_scale, empty_stat);
+                                                            empty_stat);
   })
 }
 
@@ -158,7 +157,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     if constexpr (!kPlain) splits = row_splits(p, at, row);
     const int num_splits = splits.count;
     MergeState<kVec> state;
-    state.reset();
+    state.reset(p.log2_scale);
     const float* pass_stats = nullptr;
     if (!kPlain && splits.pass) {
       if (holds && group == 0) {
@@ -177,12 +176,12 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       const Index o_step = kv_split * Index(p.o_stride_split);
       const Index s_step = kv_split * Index(p.stats_stride_split);
       merge_first_round<kDepth, kPartial, kFormat, kRaw>(state, first, o, s, o_step, s_step,
-                                                         p.log2_scale, p.empty_stat);
+                                                         p.empty_stat);
       o += first * o_step;
       s += first * s_step;
       for (int done = first; done < count; done += kDepth) {
         merge_exact_batch<kDepth, kPartial, kFormat, kRaw>(state, o, s, o_step, s_step,
-                                                           p.log2_scale, p.empty_stat);
+                                                           p.empty_stat);
         o += kDepth * o_step;
         s += kDepth * s_step;
       }
@@ -199,7 +198,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       if ((threadIdx.x & 31) < lanes) park(parked, parked_stride, warp * lanes + lane, state);
       __syncthreads();
       if (warp == 0) {
-        state.reset();
+        state.reset(p.log2_scale);
         for (int slot = threadIdx.x; slot < parked_stride; slot += 32) {
           state.combine(parked[slot], parked[parked_stride + slot],
                         &parked[2 * parked_stride + slot], parked_stride);

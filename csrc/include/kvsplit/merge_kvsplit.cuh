@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     const RowIndex at = locate_row(p, row);
     const bool active = row_in_band < rows_per_band && row < p.rows && row_selected(p, at);
     MergeState<kVec> state;
-    state.reset();
+    state.reset(p.log2_scale);
     SplitRange splits{0, 0};
     if (active) splits = row_splits(p, at, row);
     const int num_splits = splits.count;
@@ -111,8 +111,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
             // Stats may have any strides, so a (max, sum) pair is two loads.
             const float m_raw = __ldg(s_ptr);
             l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s_ptr + 1) : 1.f;
-            m_in[u] = (!kTail || j0 + u < count) && m_raw != p.empty_stat ? m_raw * p.log2_scale
-                                                                           : neg_inf();
+            m_in[u] = (!kTail || j0 + u < count) && m_raw != p.empty_stat ? m_raw : neg_inf();
             if constexpr (!kTail) s_ptr += s_step;
           }
         }

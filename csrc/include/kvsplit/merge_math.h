@@ -17,6 +17,7 @@ namespace kvsplit {
 
 constexpr float kLog2E = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kFloatMinNormal = 1.17549435e-38f;
 
 #ifndef KVSPLIT_LEAN_MATH
 #define KVSPLIT_LEAN_MATH 1
@@ -97,50 +98,51 @@ KVSPLIT_HD float rescale_weight(float m, float m_new) {
 // (-inf - -inf would be NaN).
 KVSPLIT_HD float weight_offset(float m_new) { return m_new == neg_inf() ? 0.f : m_new; }
 
+// A row's running state in the stats' own units: m is the largest raw stat
+// (a maxsum max or an LSE) seen so far and `scale` takes a difference of raw
+// stats into base 2 (maxsum: scale_log2; LSE: 1 or log2 e). A weight is
+// 2^((m_i - m) * scale): the difference is taken before the scale, so no
+// finite stat or scale overflows on the way (a stat times a large scale
+// would, and inf - inf is NaN), and the weight of the largest stat is 1.
 template <int kVec>
 struct MergeState {
   float m;
   float l;
+  float scale;
   float acc[kVec];
 
-  KVSPLIT_HD void reset() {
+  KVSPLIT_HD void reset(float log2_scale) {
     m = neg_inf();
     l = 0.f;
+    scale = log2_scale;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] = 0.f;
   }
 
-  // Folds kDepth loaded partials into the state: partial j's m is
-  // m_in[j] * scale (scale > 0; the kernels that read stats raw pass the
-  // call's scale here instead of scaling each stat). The running max moves
-  // once per batch and the old state is rescaled before anything is added,
-  // so a padded slot (m = -inf) can never move the max without rescaling.
-  // With a positive scale the largest m_in gives the largest m, so the max
-  // is taken raw and scaled once, and a weight is 2^(m_in * scale - offset),
-  // one FFMA before the exponent. `o_at(j, v)` yields element v of partial j,
-  // so that callers can keep the partials packed (16-bit) in registers until
-  // this very multiply.
+  // 2^((x - offset) * scale): one FADD and one FMUL before the exponent.
+  KVSPLIT_HD float weight(float x, float offset) const { return fast_exp2((x - offset) * scale); }
+
+  // Folds kDepth loaded partials into the state (raw stats m_in, -inf for an
+  // empty or padded slot). The running max moves once per batch and the old
+  // state is rescaled before anything is added, so a padded slot can never
+  // move the max without rescaling. `o_at(j, v)` yields element v of partial
+  // j, so that callers can keep the partials packed (16-bit) in registers
+  // until this very multiply.
   template <int kDepth, typename OAt>
   KVSPLIT_HD void merge_batch(const float (&m_in)[kDepth], const float (&l_in)[kDepth],
-                              OAt&& o_at, float scale = 1.f) {
+                              OAt&& o_at) {
     float in_max = m_in[0];
 #pragma unroll
     for (int j = 1; j < kDepth; ++j) in_max = max_keep_nan(in_max, m_in[j]);
-    const float m_new = max_keep_nan(m, in_max * scale);
-    const float alpha = rescale_weight(m, m_new);
+    const float m_new = max_keep_nan(m, in_max);
+    const float offset = weight_offset(m_new);
+    const float alpha = weight(m, offset);  // 0 for an empty state
     l *= alpha;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] *= alpha;
-#if KVSPLIT_LEAN_MATH
-    const float offset = weight_offset(m_new);
-#endif
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
-#if KVSPLIT_LEAN_MATH
-      const float w = fast_exp2(scaled_minus(m_in[j], scale, offset));
-#else
-      const float w = rescale_weight(m_in[j] * scale, m_new);
-#endif
+      const float w = weight(m_in[j], offset);
       l += w * l_in[j];
 #pragma unroll
       for (int v = 0; v < kVec; ++v) acc[v] += w * o_at(j, v);
@@ -155,20 +157,22 @@ struct MergeState {
     l = l_in;
   }
 
-  // Adds another group's state. An empty state (m = -inf) weighs 0 with the
-  // same exponent offset as merge_batch, and its l and accumulators are 0
-  // (its partials were weighed 0), so it adds nothing, with no test for it.
+  // Adds another group's state (same scale). An empty state (m = -inf)
+  // weighs 0 with the same exponent offset as merge_batch, and its l and
+  // accumulators are 0 (its partials were weighed 0), so it adds nothing,
+  // with no test for it.
   KVSPLIT_HD void combine(float m_other, float l_other, const float* acc_other,
                           int acc_stride) {
     const float m_new = max_keep_nan(m, m_other);
 #if KVSPLIT_LEAN_COMBINE
     const float offset = weight_offset(m_new);
-    const float a = fast_exp2(m - offset);
-    const float b = fast_exp2(m_other - offset);
+    const float a = weight(m, offset);
+    const float b = weight(m_other, offset);
 #else
     if (m_other == neg_inf()) return;
-    const float a = rescale_weight(m, m_new);
-    const float b = rescale_weight(m_other, m_new);
+    const float offset = weight_offset(m_new);
+    const float a = m == neg_inf() ? 0.f : weight(m, offset);
+    const float b = weight(m_other, offset);
 #endif
     l = l * a + l_other * b;
 #pragma unroll
@@ -177,27 +181,50 @@ struct MergeState {
   }
 
   // Normalises the state into `out`. Returns the row's denominator relative
-  // to 2^m, sink included (the maxsum layout's L: it may overflow to inf
-  // when a sink dwarfs every split), and sets `log2_total` to log2 of the
-  // absolute denominator, which stays finite because it is taken relative to
-  // max(m, sink). `sink_log2` is the sink logit in base 2 (-inf: none).
-  // An empty row writes zeros, returns 0 and sets -inf; its sink is ignored
-  // because a sink has zero output and nothing else would be normalised by it.
-  KVSPLIT_HD float finalize(float sink_log2, float (&out)[kVec], float& log2_total) const {
+  // to 2^(m * scale), sink included (the maxsum layout's L: it may overflow
+  // to inf when a sink dwarfs every split), and sets `log2_rel` to log2 of
+  // the denominator relative to 2^top, top = max(m * scale, sink_log2)
+  // (finite; the caller adds top in whatever unit it exports). `sink_log2`
+  // is the sink logit in base 2 (-inf: none). An empty row writes zeros,
+  // returns 0 and sets -inf; its sink is ignored because a sink has zero
+  // output and nothing else would be normalised by it. A denominator below
+  // float32's normal range (tiny maxsum sums) takes the exact division and
+  // log2, which the fast ones would flush to zero.
+  KVSPLIT_HD float finalize(float sink_log2, float (&out)[kVec], float& log2_rel) const {
     if (m == neg_inf()) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) out[v] = 0.f;
-      log2_total = neg_inf();
+      log2_rel = neg_inf();
       return 0.f;
     }
-    const float top = max_keep_nan(m, sink_log2);
-    const float own = fast_exp2(m - top);  // 1 unless the sink dominates
-    const float total_top = l * own + rescale_weight(sink_log2, top);
-    const float scale = fast_divide(own, total_top);
+    const float ms = m * scale;  // may overflow to inf; then no sink can dominate
+    const bool sink_on_top = sink_log2 > ms;
+    const float own = sink_on_top ? fast_exp2(ms - sink_log2) : 1.f;
+    const float sink_weight = sink_on_top ? 1.f : rescale_weight(sink_log2, ms);
+    const float total_top = l * own + sink_weight;
+    if (total_top >= kFloatMinNormal) {
+      const float factor = fast_divide(own, total_top);
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) out[v] = acc[v] * scale;
-    log2_total = top + fast_log2(total_top);
-    return l + rescale_weight(sink_log2, m);
+      for (int v = 0; v < kVec; ++v) out[v] = acc[v] * factor;
+      log2_rel = fast_log2(total_top);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) out[v] = acc[v] / total_top * own;
+      log2_rel = log2f(total_top);
+    }
+    return l + (sink_on_top ? fast_exp2(sink_log2 - ms) : sink_weight);
+  }
+
+  // The row's log2 total, absolute, in the stats' units times `export_scale`
+  // (an LSE export): (m * scale + log2_rel) * export_scale, formed as
+  // m * (scale * export_scale) + log2_rel * export_scale so that a large
+  // raw stat does not overflow on the way (scale * export_scale is 1 for an
+  // LSE). With a dominating sink the top is the sink's.
+  KVSPLIT_HD float exported_log2_total(float sink_log2, float log2_rel, float export_scale) const {
+    if (m == neg_inf()) return neg_inf();
+    const float ms = m * scale;
+    if (sink_log2 > ms) return (sink_log2 + log2_rel) * export_scale;
+    return m * (scale * export_scale) + log2_rel * export_scale;
   }
 };
 

@@ -95,7 +95,7 @@ void merge_batch_at(MergeState<kVec>& state, const MergeParams& p, StatsFormat f
     const int64_t base = split * p.o_stride_split + p.o_row.at(row) + col;
     for (int d = 0; d < kVec; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
   }
-  state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; });
+  state.merge_batch(m_in, l_in, [&](int j, int d) { return o_in[j][d]; }, p.log2_scale);
 }
 
 // One group's walk over partials begin + group, begin + group + K, ... of
@@ -134,13 +134,13 @@ void merge_group(MergeState<kVec>& state, const MergeParams& p, const KernelConf
 // Butterfly (xor) over `width` consecutive states starting at `base`, as warp
 // shuffles do it: afterwards every one of them holds the same total.
 template <int kVec>
-void butterfly(std::vector<MergeState<kVec>>& states, int base, int width) {
+void butterfly(std::vector<MergeState<kVec>>& states, int base, int width, float scale) {
   for (int offset = 1; offset < width; offset <<= 1) {
     const std::vector<MergeState<kVec>> before(states.begin() + base,
                                                states.begin() + base + width);
     for (int i = 0; i < width; ++i) {
       const auto& other = before[i ^ offset];
-      states[base + i].combine(other.m, other.l, other.acc, 1);
+      states[base + i].combine(other.m, other.l, other.acc, 1, scale);
     }
   }
 }
@@ -152,25 +152,25 @@ void butterfly(std::vector<MergeState<kVec>>& states, int base, int width) {
 // the positions.
 template <int kVec>
 void combine_groups(std::vector<MergeState<kVec>>& groups, const KernelConfig& config,
-                    int lanes) {
+                    int lanes, float scale) {
   const int k = config.kv_split;
   if (config.family == Family::kKvSplit) {
-    for (int g = 1; g < k; ++g) groups[0].combine(groups[g].m, groups[g].l, groups[g].acc, 1);
+    for (int g = 1; g < k; ++g) groups[0].combine(groups[g].m, groups[g].l, groups[g].acc, 1, scale);
     return;
   }
   const int per_warp = std::min(k, 32 / lanes);
   const int warps = k / per_warp;
-  for (int w = 0; w < warps; ++w) butterfly(groups, w * per_warp, per_warp);
+  for (int w = 0; w < warps; ++w) butterfly(groups, w * per_warp, per_warp, scale);
   if (warps == 1) return;
   std::vector<MergeState<kVec>> positions(per_warp);
   for (int q = 0; q < per_warp; ++q) {
-    positions[q].reset(groups[0].scale);
+    positions[q].reset();
     for (int w = q; w < warps; w += per_warp) {
       const auto& total = groups[w * per_warp];
-      positions[q].combine(total.m, total.l, total.acc, 1);
+      positions[q].combine(total.m, total.l, total.acc, 1, scale);
     }
   }
-  butterfly(positions, 0, per_warp);
+  butterfly(positions, 0, per_warp, scale);
   groups[0] = positions[0];
 }
 
@@ -199,7 +199,7 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
     float total = 0.f, log2_rel = 0.f;
     for (int col = 0; col < p.head_dim; col += kVec) {
       for (int group = 0; group < config.kv_split; ++group) {
-        groups[group].reset(p.log2_scale);
+        groups[group].reset();
         if (splits.pass) {
           if (group > 0) continue;
           groups[0].set_single(format == StatsFormat::kMaxSum ? pass_stats[1] : 1.f);
@@ -209,9 +209,9 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
           merge_group<kPartial>(groups[group], p, config, at, col, group, splits);
         }
       }
-      combine_groups(groups, config, lanes);
+      combine_groups(groups, config, lanes, p.log2_scale);
       float out[kVec];
-      total = groups[0].finalize(sink_log2, out, log2_rel);
+      total = groups[0].finalize(sink_log2, p.log2_scale, out, log2_rel);
       std::copy(out, out + kVec, row_out.begin() + col);
     }
     if (is_fp8(p.out_dtype)) scale_fp8_row(p, at, row_out.data());
@@ -223,10 +223,11 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
                                                   : pass_stats[0];
         if (format == StatsFormat::kMaxSum) stats[1] = pass_stats[1];
       } else if (format == StatsFormat::kMaxSum) {
-        stats[0] = groups[0].m * (groups[0].scale * p.export_scale);
+        stats[0] = groups[0].m * (p.log2_scale * p.export_scale);
         stats[1] = total;
       } else {
-        stats[0] = groups[0].exported_log2_total(sink_log2, log2_rel, p.export_scale);
+        stats[0] = groups[0].exported_log2_total(sink_log2, p.log2_scale, log2_rel,
+                                                 p.export_scale);
       }
     }
   }

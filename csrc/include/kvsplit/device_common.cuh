@@ -221,7 +221,7 @@ __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                               ? __ldg(p.sinks + row_head(p, at)) * kLog2E
                               : neg_inf();
   float out[kVec], log2_rel;
-  const float total = state.finalize(sink_log2, out, log2_rel);
+  const float total = state.finalize(sink_log2, p.log2_scale, out, log2_rel);
   if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask, inverse_scale);
   if (!active) return;
   store_any(p.out_dtype, p.out, p.out_row.at(at) + col, out);
@@ -235,10 +235,10 @@ __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
         stats[0] = pass_stats[0];
       }
     } else if constexpr (kFormat == StatsFormat::kMaxSum) {
-      stats[0] = state.m * (state.scale * p.export_scale);
+      stats[0] = state.m * (p.log2_scale * p.export_scale);
       stats[1] = total;
     } else {
-      stats[0] = state.exported_log2_total(sink_log2, log2_rel, p.export_scale);
+      stats[0] = state.exported_log2_total(sink_log2, p.log2_scale, log2_rel, p.export_scale);
     }
   }
 }

@@ -46,8 +46,10 @@ namespace kvsplit {
 #ifndef KVSPLIT_DSPLIT_ROOMY_DEPTH
 #define KVSPLIT_DSPLIT_ROOMY_DEPTH 8
 #endif
-template <int kDepth>
-inline constexpr int kDsplitMinCtas = kDepth >= KVSPLIT_DSPLIT_ROOMY_DEPTH ? 1 : 0;
+// The general (not plain) kernel gets it at every depth: its row lookups
+// (masks, split counts, indptr, pass-through rows) spill at 64 registers.
+template <int kDepth, bool kPlain>
+inline constexpr int kDsplitMinCtas = kDepth >= KVSPLIT_DSPLIT_ROOMY_DEPTH || !kPlain ? 1 : 0;
 
 // Loads kDepth partials (all loads issued before the first use) and folds them in.
 // kRawStats: no stat is the empty-split sentinel (dsplit_plain checks), so the
@@ -57,7 +59,7 @@ template <int kDepth, DType kPartial, StatsFormat kFormat, bool kRawStats, int k
 __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, Index o_step, Index s_step,
-                                                  float empty_stat) {
+                                                  float log2_scale, float empty_stat) {
   Packed<kDsplitLaneBytes> packed[kDepth];
   float m_in[kDepth], l_in[kDepth];
 #pragma unroll
@@ -71,17 +73,19 @@ __device__ __forceinline__ void merge_exact_batch(MergeState<kVec>& state,
     }
     l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;
   }
-  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
+  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); },
+                    log2_scale);
 }
 
 template <int kVec>
-__device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int offset) {
+__device__ __forceinline__ void combine_shuffled(MergeState<kVec>& state, int offset,
+                                                 float log2_scale) {
   float acc_other[kVec];
   const float m_other = __shfl_xor_sync(0xffffffffu, state.m, offset);
   const float l_other = __shfl_xor_sync(0xffffffffu, state.l, offset);
 #pragma unroll
   for (int v = 0; v < kVec; ++v) acc_other[v] = __shfl_xor_sync(0xffffffffu, state.acc[v], offset);
-  state.combine(m_other, l_other, acc_other, 1);
+  state.combine(m_other, l_other, acc_other, 1, log2_scale);
 }
 
 // The first round of a group: its `first` (1..kDepth) partials, one template
@@ -91,10 +95,10 @@ template <int kDepth, DType kPartial, StatsFormat kFormat, bool kRawStats, int k
 __device__ __forceinline__ void merge_first_round(MergeState<kVec>& state, int first,
                                                   const typename CudaType<kPartial>::type* o,
                                                   const float* s, Index o_step, Index s_step,
-                                                  float empty_stat) {
+                                                  float log2_scale, float empty_stat) {
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDepth, kCount, {
     merge_exact_batch<kCount, kPartial, kFormat, kRawStats>(state, o, s, o_step, s_step,
-                                                            empty_stat);
+                                                            log2_scale, empty_stat);
   })
 }
 
@@ -112,7 +116,7 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 // nothing stands between the row index and the first load, a load's address is
 // one multiply-add and a stat goes into the merge as loaded.
 template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain>
-__global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
+__global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPlain>)
     dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     if constexpr (!kPlain) splits = row_splits(p, at, row);
     const int num_splits = splits.count;
     MergeState<kVec> state;
-    state.reset(p.log2_scale);
+    state.reset();
     const float* pass_stats = nullptr;
     if (!kPlain && splits.pass) {
       if (holds && group == 0) {
@@ -176,12 +180,12 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       const Index o_step = kv_split * Index(p.o_stride_split);
       const Index s_step = kv_split * Index(p.stats_stride_split);
       merge_first_round<kDepth, kPartial, kFormat, kRaw>(state, first, o, s, o_step, s_step,
-                                                         p.empty_stat);
+                                                         p.log2_scale, p.empty_stat);
       o += first * o_step;
       s += first * s_step;
       for (int done = first; done < count; done += kDepth) {
         merge_exact_batch<kDepth, kPartial, kFormat, kRaw>(state, o, s, o_step, s_step,
-                                                           p.empty_stat);
+                                                           p.log2_scale, p.empty_stat);
         o += kDepth * o_step;
         s += kDepth * s_step;
       }
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
     pdl_trigger();
 
     // Groups of one warp: butterfly over the lane bits above the group's own.
-    for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
+    for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset, p.log2_scale);
     if (warps > 1) {
       // Warp w's total goes to slots [w * lanes, (w + 1) * lanes). Lane j of
       // warp 0 then folds the totals of warps j / lanes, j / lanes + 32 / lanes,
@@ -198,12 +202,12 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth>)
       if ((threadIdx.x & 31) < lanes) park(parked, parked_stride, warp * lanes + lane, state);
       __syncthreads();
       if (warp == 0) {
-        state.reset(p.log2_scale);
+        state.reset();
         for (int slot = threadIdx.x; slot < parked_stride; slot += 32) {
           state.combine(parked[slot], parked[parked_stride + slot],
-                        &parked[2 * parked_stride + slot], parked_stride);
+                        &parked[2 * parked_stride + slot], parked_stride, p.log2_scale);
         }
-        for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset);
+        for (int offset = lanes; offset < 32; offset <<= 1) combine_shuffled(state, offset, p.log2_scale);
       }
     }
 

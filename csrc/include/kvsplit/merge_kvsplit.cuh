@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     const RowIndex at = locate_row(p, row);
     const bool active = row_in_band < rows_per_band && row < p.rows && row_selected(p, at);
     MergeState<kVec> state;
-    state.reset(p.log2_scale);
+    state.reset();
     SplitRange splits{0, 0};
     if (active) splits = row_splits(p, at, row);
     const int num_splits = splits.count;
@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
             if constexpr (!kTail) s_ptr += s_step;
           }
         }
-        state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); });
+        state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); },
+                          p.log2_scale);
         o_cursor += kLoadUnroll * o_step;
         s_cursor += kLoadUnroll * s_step;
       };
@@ -140,7 +141,8 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
 #pragma unroll
         for (int g = 1; g < kKvSplit; ++g) {
           const int slot = (g - 1) * kGroupThreads + lane;
-          state.combine(parked_ml[0][slot], parked_ml[1][slot], &parked_acc[0][slot], kParked);
+          state.combine(parked_ml[0][slot], parked_ml[1][slot], &parked_acc[0][slot], kParked,
+                        p.log2_scale);
         }
       }
     }

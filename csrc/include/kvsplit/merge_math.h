@@ -18,6 +18,7 @@ namespace kvsplit {
 constexpr float kLog2E = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFloatMinNormal = 1.17549435e-38f;
+constexpr float kFastDivideLimit = 8.50705917e37f;  // 2^126
 
 #ifndef KVSPLIT_LEAN_MATH
 #define KVSPLIT_LEAN_MATH 1
@@ -99,8 +100,9 @@ KVSPLIT_HD float rescale_weight(float m, float m_new) {
 KVSPLIT_HD float weight_offset(float m_new) { return m_new == neg_inf() ? 0.f : m_new; }
 
 // A row's running state in the stats' own units: m is the largest raw stat
-// (a maxsum max or an LSE) seen so far and `scale` takes a difference of raw
-// stats into base 2 (maxsum: scale_log2; LSE: 1 or log2 e). A weight is
+// (a maxsum max or an LSE) seen so far, and the call's `scale` (passed to
+// each step, a value of the call rather than of the state) takes a
+// difference of raw stats into base 2 (maxsum: scale_log2; LSE: 1 or log2 e). A weight is
 // 2^((m_i - m) * scale): the difference is taken before the scale, so no
 // finite stat or scale overflows on the way (a stat times a large scale
 // would, and inf - inf is NaN), and the weight of the largest stat is 1.
@@ -108,19 +110,19 @@ template <int kVec>
 struct MergeState {
   float m;
   float l;
-  float scale;
   float acc[kVec];
 
-  KVSPLIT_HD void reset(float log2_scale) {
+  KVSPLIT_HD void reset() {
     m = neg_inf();
     l = 0.f;
-    scale = log2_scale;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] = 0.f;
   }
 
   // 2^((x - offset) * scale): one FADD and one FMUL before the exponent.
-  KVSPLIT_HD float weight(float x, float offset) const { return fast_exp2((x - offset) * scale); }
+  static KVSPLIT_HD float weight(float x, float offset, float scale) {
+    return fast_exp2((x - offset) * scale);
+  }
 
   // Folds kDepth loaded partials into the state (raw stats m_in, -inf for an
   // empty or padded slot). The running max moves once per batch and the old
@@ -130,19 +132,19 @@ struct MergeState {
   // until this very multiply.
   template <int kDepth, typename OAt>
   KVSPLIT_HD void merge_batch(const float (&m_in)[kDepth], const float (&l_in)[kDepth],
-                              OAt&& o_at) {
+                              OAt&& o_at, float scale) {
     float in_max = m_in[0];
 #pragma unroll
     for (int j = 1; j < kDepth; ++j) in_max = max_keep_nan(in_max, m_in[j]);
     const float m_new = max_keep_nan(m, in_max);
     const float offset = weight_offset(m_new);
-    const float alpha = weight(m, offset);  // 0 for an empty state
+    const float alpha = weight(m, offset, scale);  // 0 for an empty state
     l *= alpha;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) acc[v] *= alpha;
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) {
-      const float w = weight(m_in[j], offset);
+      const float w = weight(m_in[j], offset, scale);
       l += w * l_in[j];
 #pragma unroll
       for (int v = 0; v < kVec; ++v) acc[v] += w * o_at(j, v);
@@ -162,17 +164,17 @@ struct MergeState {
   // accumulators are 0 (its partials were weighed 0), so it adds nothing,
   // with no test for it.
   KVSPLIT_HD void combine(float m_other, float l_other, const float* acc_other,
-                          int acc_stride) {
+                          int acc_stride, float scale) {
     const float m_new = max_keep_nan(m, m_other);
 #if KVSPLIT_LEAN_COMBINE
     const float offset = weight_offset(m_new);
-    const float a = weight(m, offset);
-    const float b = weight(m_other, offset);
+    const float a = weight(m, offset, scale);
+    const float b = weight(m_other, offset, scale);
 #else
     if (m_other == neg_inf()) return;
     const float offset = weight_offset(m_new);
-    const float a = m == neg_inf() ? 0.f : weight(m, offset);
-    const float b = weight(m_other, offset);
+    const float a = m == neg_inf() ? 0.f : weight(m, offset, scale);
+    const float b = weight(m_other, offset, scale);
 #endif
     l = l * a + l_other * b;
 #pragma unroll
@@ -188,9 +190,10 @@ struct MergeState {
   // is the sink logit in base 2 (-inf: none). An empty row writes zeros,
   // returns 0 and sets -inf; its sink is ignored because a sink has zero
   // output and nothing else would be normalised by it. A denominator below
-  // float32's normal range (tiny maxsum sums) takes the exact division and
-  // log2, which the fast ones would flush to zero.
-  KVSPLIT_HD float finalize(float sink_log2, float (&out)[kVec], float& log2_rel) const {
+  // float32's normal range or past 2^126 (tiny or huge maxsum sums) takes the
+  // exact division and log2 (the fast ones give 0 or -inf there).
+  KVSPLIT_HD float finalize(float sink_log2, float scale, float (&out)[kVec],
+                            float& log2_rel) const {
     if (m == neg_inf()) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) out[v] = 0.f;
@@ -202,7 +205,9 @@ struct MergeState {
     const float own = sink_on_top ? fast_exp2(ms - sink_log2) : 1.f;
     const float sink_weight = sink_on_top ? 1.f : rescale_weight(sink_log2, ms);
     const float total_top = l * own + sink_weight;
-    if (total_top >= kFloatMinNormal) {
+    // The fast divide returns 0 for a divisor past 2^126 and the fast log2
+    // flushes subnormals: both ends take the exact operations.
+    if (total_top >= kFloatMinNormal && total_top < kFastDivideLimit) {
       const float factor = fast_divide(own, total_top);
 #pragma unroll
       for (int v = 0; v < kVec; ++v) out[v] = acc[v] * factor;
@@ -220,7 +225,8 @@ struct MergeState {
   // m * (scale * export_scale) + log2_rel * export_scale so that a large
   // raw stat does not overflow on the way (scale * export_scale is 1 for an
   // LSE). With a dominating sink the top is the sink's.
-  KVSPLIT_HD float exported_log2_total(float sink_log2, float log2_rel, float export_scale) const {
+  KVSPLIT_HD float exported_log2_total(float sink_log2, float scale, float log2_rel,
+                                       float export_scale) const {
     if (m == neg_inf()) return neg_inf();
     const float ms = m * scale;
     if (sink_log2 > ms) return (sink_log2 + log2_rel) * export_scale;

@@ -19,7 +19,7 @@ extern "C" int lab_dsplit(const kvsplit::MergeParams* params, int slices, int kv
   config.kv_split = kv_split;
   config.depth = depth;
   const kvsplit::Status status =
-      kvsplit::launch_dsplit_typed<kvsplit::DType::kBFloat16, kvsplit::DType::kBFloat16,
+      kvsplit::launch_dsplit_typed<kvsplit::DType::kBFloat16,
                                    kvsplit::StatsFormat::kLse>(p, config, false,
                                                                static_cast<cudaStream_t>(stream));
   return status.ok() ? 0 : static_cast<int>(status.error);

@@ -75,7 +75,7 @@ LANE_BYTES["lane8regs64"] = 8
 # replacement); a text that is not found fails the build, so a change of the kernel cannot
 # silently leave a variant equal to the product.
 _MERGE_MATH = """  state.merge_batch(m_in, l_in, [&](int j, int v) { return unpack<kPartial>(packed[j], v); },
-                    kRawStats ? log2_scale : 1.f);"""
+                    log2_scale);"""
 # Every loaded word still feeds the state (through an XOR), so no load can be dropped.
 _NO_MATH = """  uint32_t folded = 0;
 #pragma unroll
@@ -88,14 +88,15 @@ _NO_MATH = """  uint32_t folded = 0;
 _COMBINE = (
     "    // Groups of one warp: butterfly over the lane bits above the group's own.\n",
     "    // An item of one warp has no barrier to order the reads")
-_STORE = "    if (thread < lanes) finalize_and_store"
+_STORE = "    if (thread < lanes) {\n      finalize_and_store"
 # Every group stores its own state under a condition the compiler cannot decide (its max
 # is never FLT_MAX), so no group's loads or math can be dropped.
-_STORE_ALL = ("    if (thread < lanes || __float_as_uint(state.m) == 0x7f7fffffu) "
-              "finalize_and_store")
+_STORE_ALL = ("    if (thread < lanes || __float_as_uint(state.m) == 0x7f7fffffu) {\n"
+              "      finalize_and_store")
 # No group loads or merges anything (a condition false at run time, so the code stays):
 # the prologue, a combine of empty states and the epilogue.
-_GROUP = ("    if (group < num_splits) {", "    if (group < num_splits - (1 << 30)) {")
+_GROUP = ("    } else if (holds && group < num_splits) {",
+          "    } else if (holds && group < num_splits - (1 << 30)) {")
 # The stats not loaded: every partial's stat a constant.
 _NO_STATS = [("    const float m_raw = __ldg(s + u * s_step);", "    const float m_raw = 0.f;"),
              ("    l_in[u] = kFormat == StatsFormat::kMaxSum ? __ldg(s + u * s_step + 1) : 1.f;",

@@ -9,7 +9,7 @@ extern "C" int lab_launch(const kvsplit::MergeParams* params, int head_dim, int 
   kvsplit::KernelConfig config;
   config.kv_split = kv_split;
   const kvsplit::Status status =
-      kvsplit::launch_kvsplit_typed<kvsplit::DType::kBFloat16, kvsplit::DType::kBFloat16,
+      kvsplit::launch_kvsplit_typed<kvsplit::DType::kBFloat16,
                                     kvsplit::StatsFormat::kMaxSum>(
           p, config, sm_count, false, static_cast<cudaStream_t>(stream));
   return status.ok() ? 0 : static_cast<int>(status.error);

@@ -8,7 +8,10 @@ ms), then times in CUDA-graph replay (L2-warm, us per launch) the auto choice
 writing bfloat16, float32 and FP8 e4m3fn (a per-tensor scale) outputs, and the
 read probe over the same bytes (partials and stats read, output written).
 Prints kvsplit/read per shape, the ratio of a new head dim to its power-of-two
-neighbours, and of float32/FP8 outputs to bfloat16.
+neighbours, and of float32/FP8 outputs to bfloat16. Then, at a few shapes, every
+valid config timed with bfloat16 and FP8 outputs: the best of each, and the
+bfloat16 winner writing FP8 (what an FP8 output costs in the same kernel config,
+apart from the tuner's choice).
 """
 
 from __future__ import annotations
@@ -25,6 +28,40 @@ import time
 ROWS_SPLITS = [(128, 32), (512, 16), (4096, 2)]
 HEAD_DIMS = [64, 80, 96, 128, 192, 256, 512, 576]
 NEIGHBOURS = {80: (64, 128), 96: (64, 128), 192: (128, 256), 576: (512,)}
+# (rows, num_splits, head_dim) where every config is timed.
+CONFIG_SHAPES = [(128, 32, 128), (4096, 2, 192), (4096, 2, 256), (4096, 2, 512), (4096, 2, 576)]
+
+
+def every_config(torch, sm_count: int) -> list[str]:
+    """Each CONFIG_SHAPES shape: the best config for bf16 and FP8 outputs and the bf16
+    winner's time with FP8 outputs (us, graph replay), as markdown lines."""
+    from kvsplit import _kernel
+    from kvsplit.autotune.timing import time_cuda_graph
+    from kvsplit.dispatch.constraints import valid_configs
+
+    lines = ["| rows x N x D | best bf16 | config | best fp8 | config | bf16 winner, fp8 out |",
+             "|---|---|---|---|---|---|"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for rows, num_splits, head_dim in CONFIG_SHAPES:
+        o = torch.randn(num_splits, rows, head_dim, device="cuda", generator=g).bfloat16()
+        lse = torch.randn(num_splits, rows, device="cuda", generator=g)
+        times = {}
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            out = torch.empty(rows, head_dim, dtype=dtype, device="cuda")
+            for config in valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
+                                        num_splits=num_splits, sm_count=sm_count):
+                plan = _kernel.Plan(config, 1, o, lse, out, None, 1.0)
+                times[dtype, config] = time_cuda_graph(
+                    lambda i, plan=plan, out=out: _kernel.run(plan, o, lse, out, 1.0),
+                    batch=16, replays=7).median_us
+        best = {d: min((t, c.label) for (dd, c), t in times.items() if dd == d)
+                for d in (torch.bfloat16, torch.float8_e4m3fn)}
+        winner = min((t, c) for (d, c), t in times.items() if d == torch.bfloat16)[1]
+        lines.append(f"| {rows} x {num_splits} x {head_dim} | {best[torch.bfloat16][0]:.2f} | "
+                     f"{best[torch.bfloat16][1]} | {best[torch.float8_e4m3fn][0]:.2f} | "
+                     f"{best[torch.float8_e4m3fn][1]} | "
+                     f"{times[torch.float8_e4m3fn, winner]:.2f} |")
+    return lines
 
 
 def main() -> int:
@@ -95,7 +132,8 @@ def main() -> int:
                 a, b = ratio[(rows, d, "bf16")], ratio[(rows, n, "bf16")]
                 lines.append(f"| {rows} | {d} vs {n} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
     lines += ["", f"first use, ms per key: median {statistics.median(first_use_ms):.1f}, "
-              f"max {max(first_use_ms):.1f} over {len(first_use_ms)} keys"]
+              f"max {max(first_use_ms):.1f} over {len(first_use_ms)} keys", ""]
+    lines += every_config(torch, torch.cuda.get_device_properties(0).multi_processor_count)
     text = "\n".join(lines)
     print(text)
     out_dir = pathlib.Path(args.out)

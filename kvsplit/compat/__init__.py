@@ -2,14 +2,21 @@
 
 Each adapter is one kvsplit launch with the dispatcher's config, on the
 caller's tensors as they are (views, no copy), allocating only what the
-original returns:
+original returns, except where its module says otherwise:
 
 - :mod:`kvsplit.compat.flashinfer`: ``merge_states``, ``merge_state``,
-  ``merge_state_in_place`` (base-2 LSE);
+  ``merge_state_in_place``, ``variable_length_merge_states`` (base-2 LSE);
 - :mod:`kvsplit.compat.vllm`: ``merge_attn_states`` (base e, head-major LSE,
   +inf read as an empty state);
+- :mod:`kvsplit.compat.sglang`: ``merge_state_v2``, ``merge_state`` (base e,
+  token-major LSE, +inf read as an empty state);
+- :mod:`kvsplit.compat.xformers`: ``merge_attentions`` (base e, stacked or
+  listed chunks; scattered lists of more than two chunks are stacked first);
 - :mod:`kvsplit.compat.flash_attn`: ``flash_attn_combine`` (FlashAttention 3's
-  float32 partials, 16-bit output).
+  float32 partials);
+- :mod:`kvsplit.compat.trtllm`: ``merge_chunked_attention_for_mla``
+  ((max, sum) stats of normalised partials, per-request skip/merge/copy: two
+  kvsplit launches after a few elementwise ones).
 
 Where the originals produce NaN (every state of a row empty), these give 0
 and an LSE of -inf, as every kvsplit merge does.

@@ -3,7 +3,7 @@
 Shapes as FlashInfer's: ``v`` (seq_len, num_heads, head_dim) or, for
 :func:`merge_states`, (seq_len, num_states, num_heads, head_dim); ``s`` the
 float32 LSE of the same leading dims. Outputs have the partials' dtype
-(bfloat16 or float16: kvsplit writes no float32).
+(float32, bfloat16 or float16).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 
 from .._call import merge_call
-from ..layout import LSE
+from ..layout import LSE, Extras
 
-__all__ = ["merge_state", "merge_state_in_place", "merge_states"]
+__all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states"]
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,3 +63,39 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
         raise TypeError("s must be a float32 tensor (it is updated in place)")
     merge_call(LSE, (v, v_other), (s, s_other), 2.0, out=v, out_stats=s, row_mask=mask,
                stats_in_place=True)
+
+
+def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
+                                 indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a variable number of states per position (``flashinfer.triton.cascade``).
+
+    Parameters
+    ----------
+    v : Tensor (nnz, num_heads, head_dim)
+        The states of every position, back to back.
+    s : Tensor (nnz, num_heads), float32, base-2 LSE
+    indptr : Tensor (seq_len + 1,), int32 or int64
+        Position i merges states ``indptr[i]`` to ``indptr[i + 1] - 1`` (lengths read
+        on the device; checked on the host first, except inside a CUDA-graph capture).
+
+    Returns
+    -------
+    (V, S): (seq_len, num_heads, head_dim) in v's dtype and float32 (seq_len,
+    num_heads), base 2. A position with no state, or only empty ones, is 0 with
+    LSE -inf, as in FlashInfer.
+    """
+    for name, value in (("v", v), ("s", s), ("indptr", indptr)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if v.dim() != 3 or s.dim() != 2 or v.shape[:2] != s.shape:
+        raise ValueError(f"v must be (nnz, num_heads, head_dim) and s (nnz, num_heads), got "
+                         f"{tuple(v.shape)} and {tuple(s.shape)}")
+    if s.dtype != torch.float32:
+        raise TypeError(f"s must be float32 (FlashInfer would convert a copy), got {s.dtype}")
+    if indptr.dim() != 1 or indptr.shape[0] < 1:
+        raise ValueError(f"indptr must be 1-D (seq_len + 1,), got shape {tuple(indptr.shape)}")
+    seq_len, num_heads, head_dim = indptr.shape[0] - 1, v.shape[1], v.shape[2]
+    v_merged = torch.empty(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device)
+    s_merged = torch.empty(seq_len, num_heads, dtype=torch.float32, device=v.device)
+    merge_call(LSE, v, s, 2.0, out=v_merged, out_stats=s_merged, extras=Extras(indptr=indptr))
+    return v_merged, s_merged

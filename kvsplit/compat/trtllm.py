@@ -1,0 +1,154 @@
+"""TensorRT-LLM's ``torch.ops.trtllm.merge_chunked_attention_for_mla`` on kvsplit.
+
+The op folds one chunk's attention (``temp_attn``, ``temp_softmax_stats``) into
+the running result (``merged_attn``, ``merged_softmax_stats``) in place, request
+by request: ``merge_op[b]`` 0 leaves request b's tokens untouched, 2 copies the
+chunk, anything else merges. Attention is (tokens, num_heads, head_size)
+memory, *normalised*; stats are float32 (tokens, num_heads, 2) pairs (max of
+the scaled logits, softmax sum), base e: a state stands for ``sum * e^max``
+and merges as ``(a * sum_a e^(max_a - M) + b * sum_b e^(max_b - M)) / sum``.
+
+kvsplit's maxsum format takes unnormalised partials, so this adapter is not
+one launch: a few elementwise launches turn the pairs into LSEs (max + ln sum)
+and the requests' ops into per-token masks, then one kvsplit launch merges the
+merge rows in place and a second copies the copy rows (reading only
+``temp_attn``). Departures: a merged row's stats are written as (LSE, 1), the
+same state as TensorRT-LLM's (max, sum); a row with both states empty is 0
+with stats (-inf, 1) where TensorRT-LLM gives NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .._call import merge_call
+from ..config import head_dim_rule, head_dim_supported
+from ..layout import LSE
+
+__all__ = ["merge_chunked_attention_for_mla"]
+_ATTN_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
+
+
+def _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num_requests,
+           cu_q_seq_lens, max_q_seq_len, merge_op, num_heads, head_size) -> None:
+    """TensorRT-LLM's rules in its argument names."""
+    tensors = {"merged_attn": merged_attn, "temp_attn": temp_attn,
+               "merged_softmax_stats": merged_softmax_stats,
+               "temp_softmax_stats": temp_softmax_stats, "cu_q_seq_lens": cu_q_seq_lens,
+               "merge_op": merge_op}
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value in (("num_requests", num_requests), ("max_q_seq_len", max_q_seq_len),
+                        ("num_heads", num_heads), ("head_size", head_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        least = 1 if name in ("num_heads", "head_size") else 0
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+    if merged_attn.numel() == 0 or temp_attn.numel() == 0:
+        raise ValueError("merged_attn and temp_attn must not be empty")
+    if merged_attn.dtype not in _ATTN_DTYPES or temp_attn.dtype != merged_attn.dtype:
+        raise TypeError(f"merged_attn and temp_attn must share one dtype of float16, float32 or "
+                        f"bfloat16, got {merged_attn.dtype} and {temp_attn.dtype}")
+    dtype_name = str(merged_attn.dtype).removeprefix("torch.")
+    if not head_dim_supported(head_size, dtype_name):
+        raise ValueError(f"head_size {head_size} is not supported with {dtype_name} attention; "
+                         f"use {head_dim_rule(dtype_name)}")
+    if merged_softmax_stats.dtype != torch.float32 or temp_softmax_stats.dtype != torch.float32:
+        raise TypeError(f"merged_softmax_stats and temp_softmax_stats must be float32, got "
+                        f"{merged_softmax_stats.dtype} and {temp_softmax_stats.dtype}")
+    for name in ("cu_q_seq_lens", "merge_op"):
+        if tensors[name].dtype != torch.int64 or tensors[name].dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int64 tensor, got {tensors[name].dtype} "
+                            f"{tuple(tensors[name].shape)}")
+    if cu_q_seq_lens.shape[0] < num_requests + 1 or merge_op.shape[0] < num_requests:
+        raise ValueError(f"cu_q_seq_lens needs num_requests + 1 = {num_requests + 1} entries and "
+                         f"merge_op {num_requests}, got {cu_q_seq_lens.shape[0]} and "
+                         f"{merge_op.shape[0]}")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"every tensor must be on one device, got {sorted(map(str, devices))}")
+    row = num_heads * head_size
+    tokens = merged_attn.numel() // row
+    for name, per_token in (("merged_attn", row), ("temp_attn", row),
+                            ("merged_softmax_stats", 2 * num_heads),
+                            ("temp_softmax_stats", 2 * num_heads)):
+        value = tensors[name]
+        if not value.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if value.numel() % per_token or value.numel() < tokens * per_token:
+            raise ValueError(f"{name} must hold whole tokens of {per_token} values and at least "
+                             f"merged_attn's {tokens} tokens, got {value.numel()} values")
+
+
+def _token_ops(cu_q_seq_lens, merge_op, num_requests, tokens) -> torch.Tensor:
+    """Each token's request op (0 for a token outside every request), on the device."""
+    token = torch.arange(tokens, device=cu_q_seq_lens.device)
+    request = torch.searchsorted(cu_q_seq_lens[1:num_requests + 1], token, right=True)
+    op = merge_op[:num_requests].gather(0, request.clamp_max(num_requests - 1))
+    inside = (request < num_requests) & (token >= cu_q_seq_lens[0])
+    return torch.where(inside, op, 0)
+
+
+def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.Tensor,
+                                    merged_softmax_stats: torch.Tensor,
+                                    temp_softmax_stats: torch.Tensor, num_requests: int,
+                                    cu_q_seq_lens: torch.Tensor, max_q_seq_len: int,
+                                    merge_op: torch.Tensor, num_heads: int,
+                                    head_size: int) -> None:
+    """Fold (temp_attn, temp_softmax_stats) into (merged_attn, merged_softmax_stats) in place.
+
+    Parameters
+    ----------
+    merged_attn, temp_attn : Tensor, contiguous, (tokens, num_heads, head_size) values
+        float16, float32 or bfloat16 (one dtype), normalised attention; any shape
+        holding whole tokens (TensorRT-LLM passes 2-D and 3-D tensors). head_size
+        any multiple of 16 bytes up to 1024 (TensorRT-LLM: 128 only).
+    merged_softmax_stats, temp_softmax_stats : Tensor, float32, contiguous
+        (tokens, num_heads, 2) pairs (max of the scaled logits, sum), base e; they
+        may hold more tokens than merged_attn (the extra ones are not touched).
+    num_requests : int
+    cu_q_seq_lens : Tensor (num_requests + 1,), int64
+        Request b owns tokens cu_q_seq_lens[b] to cu_q_seq_lens[b + 1] - 1.
+    max_q_seq_len : int
+        TensorRT-LLM sizes its grid with it; its kernel covers every token of a
+        request whatever it is, and so does this one (checked, not used).
+    merge_op : Tensor (num_requests,), int64
+        Per request: 0 skip (untouched), 2 copy temp (attention and stats as they
+        are), anything else merge.
+    num_heads, head_size : int
+
+    Tokens past merged_attn's end are never touched (TensorRT-LLM writes past it).
+    Merged rows' stats are written as (LSE, 1); both states empty: 0 and (-inf, 1).
+    """
+    _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num_requests,
+           cu_q_seq_lens, max_q_seq_len, merge_op, num_heads, head_size)
+    if num_requests == 0:
+        return
+    tokens = merged_attn.numel() // (num_heads * head_size)
+    attn = merged_attn.view(tokens, num_heads, head_size)
+    temp = temp_attn.view(-1, num_heads, head_size)[:tokens]
+    stats = merged_softmax_stats.view(-1, num_heads, 2)[:tokens]
+    temp_stats = temp_softmax_stats.view(-1, num_heads, 2)[:tokens]
+    op = _token_ops(cu_q_seq_lens, merge_op, num_requests, tokens)
+    copy_rows = op == 2
+    merge_rows = (op != 0) & ~copy_rows
+    # lse[0], lse[1]: the running state's and the chunk's LSE (max + ln sum) for the merge;
+    # lse[2]: 0, so that the copy's one state weighs exactly 1 (its output is temp_attn as it
+    # is, whatever its stats). Nothing of the caller's is written before the launches.
+    lse = torch.zeros(3, tokens, num_heads, dtype=torch.float32, device=attn.device)
+    torch.add(stats[..., 0], stats[..., 1].log(), out=lse[0])
+    torch.add(temp_stats[..., 0], temp_stats[..., 1].log(), out=lse[1])
+    merge_call(LSE, (attn, temp), (lse[0], lse[1]), math.e, out=attn, out_stats=lse[0],
+               stats_in_place=True, row_mask=merge_rows)
+    merge_call(LSE, (temp,), (lse[2],), math.e, out=attn, row_mask=copy_rows)
+    # Stats: merged rows (LSE, 1), copied rows temp's pair as it is, the rest untouched.
+    merge_2d, copy_2d = merge_rows.unsqueeze(1), copy_rows.unsqueeze(1)
+    torch.where(merge_2d, lse[0], torch.where(copy_2d, temp_stats[..., 0], stats[..., 0]),
+                out=stats[..., 0])
+    torch.where(copy_2d, temp_stats[..., 1], stats[..., 1].masked_fill(merge_2d, 1.0),
+                out=stats[..., 1])

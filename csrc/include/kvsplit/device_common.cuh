@@ -168,16 +168,19 @@ __device__ __forceinline__ const float* load_pass_through(const MergeParams& p,
 // the vector's group of p.quant_group elements, whose lanes (a power of two
 // of them, aligned in the warp, all in `mask`) reduce its amax by shuffles;
 // the group's first lane writes its scale when `active`.
-// The inverse of a per-tensor FP8 scale (1 without one), loaded by each
-// kernel before its merge so that the load's latency hides behind it.
-__device__ __forceinline__ float load_inverse_scale(const MergeParams& p) {
-  return p.out_scale != nullptr ? 1.f / __ldg(p.out_scale) : 1.f;
+// A per-tensor FP8 scale (1 without one), loaded by each kernel before its
+// merge so that the load's latency hides behind it; nothing uses it before
+// the epilogue (inverting it at once made every thread wait for the load
+// before issuing its partials' loads).
+__device__ __forceinline__ float load_out_scale(const MergeParams& p) {
+  return p.out_scale != nullptr ? __ldg(p.out_scale) : 1.f;
 }
 
 template <int kVec>
 __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVec],
                                           const RowIndex& at, int col, bool active,
-                                          unsigned mask, float inverse) {
+                                          unsigned mask, float out_scale) {
+  float inverse = 1.f / out_scale;
   if (p.group_scales != nullptr) {
     float amax = 0.f;
 #pragma unroll
@@ -209,20 +212,20 @@ __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVe
 // call's format. Every thread of `mask` calls it (per-group FP8 scales
 // reduce across lanes); only `active` ones store.
 //
-// `inverse_scale`: load_inverse_scale's. `pass_stats`: a pass-through row's raw
+// `out_scale`: load_out_scale's. `pass_stats`: a pass-through row's raw
 // stats, exported as they are (no sink).
 template <int kVec, StatsFormat kFormat>
 __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                                                    const MergeState<kVec>& state,
                                                    const RowIndex& at, int col, bool active,
-                                                   unsigned mask, float inverse_scale,
+                                                   unsigned mask, float out_scale,
                                                    const float* pass_stats = nullptr) {
   const float sink_log2 = p.sinks != nullptr && active && pass_stats == nullptr
                               ? __ldg(p.sinks + row_head(p, at)) * kLog2E
                               : neg_inf();
   float out[kVec], log2_rel;
   const float total = state.finalize(sink_log2, p.log2_scale, out, log2_rel);
-  if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask, inverse_scale);
+  if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask, out_scale);
   if (!active) return;
   store_any(p.out_dtype, p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {

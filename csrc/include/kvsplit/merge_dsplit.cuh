@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
   const int per_cta = 1 << geo.items_per_cta_log2;
 
   pdl_wait();
-  const float inverse_scale = load_inverse_scale(p);
+  const float out_scale = load_out_scale(p);
   const auto items = static_cast<Index>(geo.items);
   for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
                                                                          geo.kv_split_log2));
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
     if (thread < lanes) {
       finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
                                         lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u,
-                                        inverse_scale, pass_stats);
+                                        out_scale, pass_stats);
     }
     if (warps > 1 && item + gridDim.x < geo.items) __syncthreads();
   }

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
   const int col = (lane - row_in_band * threads_per_row) * kVec;
 
   pdl_wait();
-  const float inverse_scale = load_inverse_scale(p);
+  const float out_scale = load_out_scale(p);
   for (int64_t band = blockIdx.x; band < num_bands; band += gridDim.x) {
     const int64_t row = band * rows_per_band + row_in_band;
     const RowIndex at = locate_row(p, row);
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     // With K > 1 the barrier above already orders every read before the export.
     if (kKvSplit == 1 && p.stats_in_place) __syncthreads();
     if (group == 0) {
-      finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu, inverse_scale,
+      finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu, out_scale,
                                         pass_stats);
     }
     // parked_* is reused by the next band; most small calls have none.

@@ -279,6 +279,8 @@ class _LayoutPlan:
         the dispatcher keys (variable-length states: their mean per row)."""
         out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
                               row_dims=row_dims, out_dtype=out_dtype)
+        if kv_split is not None:
+            kv_split = int(kv_split)  # numpy and other Integral scalars, validated above
         num_splits, *row_list, head_dim = partial_o.shape
         row_shape = tuple(row_list)
         rows = math.prod(row_shape)

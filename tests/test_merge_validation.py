@@ -378,6 +378,16 @@ def test_bad_kv_split(fmt, kv_split, error):
     assert_rejected(fmt, valid_args(fmt), error, "kv_split", kv_split=kv_split)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kv_split_numpy_integer(fmt):
+    """A NumPy integer is an int to the API: np.int64(4) forces K = 4 like 4 does."""
+    numpy = pytest.importorskip("numpy")
+    args = valid_args(fmt)
+    expected = call(fmt, **args, kv_split=4)
+    assert torch.equal(call(fmt, **args, kv_split=numpy.int64(4)), expected)
+    assert_rejected(fmt, valid_args(fmt), ValueError, "kv_split", kv_split=numpy.int32(3))
+
+
 @pytest.mark.parametrize("scale_log2, error", [
     (0, ValueError), (0.0, ValueError), (-1, ValueError), (-0.5, ValueError),
     (math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError),

@@ -248,8 +248,11 @@ Status merge_cpu(const MergeParams& call, const KernelConfig& config) {
                         : 0;
   // Rows are independent; large calls are spread over the host's cores.
   const int64_t work = params.rows * std::max<int64_t>(params.num_splits, 1) * params.head_dim;
-  const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
-  const int64_t workers = std::clamp<int64_t>(work >> 22, 1, std::min(hardware, params.rows));
+  // hardware_concurrency() reads /sys on every call (microseconds): asked once, and
+  // only by calls large enough to spread.
+  static const int64_t hardware = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t workers =
+      work >> 22 ? std::clamp<int64_t>(work >> 22, 1, std::min(hardware, params.rows)) : 1;
   KVSPLIT_DISPATCH_PARTIAL_DTYPE(params.partial_dtype, kPartial, status, {
       auto run = [&](int64_t begin, int64_t end) {
         merge_rows<kPartial>(params, config, lanes, begin, end);

@@ -39,27 +39,6 @@ py::tuple values_of() {
   return values;
 }
 
-// A launch whose split strides and row mask are per call: partials held in
-// separate tensors (the split stride is the distance between them) and
-// FlashInfer's in-place mask.
-// The extra addresses of a general call: (row_mask, indptr, out_scale, group_scales).
-using Extras = std::tuple<uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
-
-MergeParams with_call(const MergeParams& base, uintptr_t partial_o, uintptr_t stats,
-                      uintptr_t split_counts, uintptr_t sinks, uintptr_t out,
-                      uintptr_t out_stats, const Extras& extras, float log2_scale,
-                      int64_t o_stride_split, int64_t stats_stride_split) {
-  MergeParams p = with_addresses(base, partial_o, stats, split_counts, sinks, out, out_stats,
-                                 log2_scale);
-  p.row_mask = as_pointer<const uint8_t>(std::get<0>(extras));
-  p.indptr = as_pointer<const void>(std::get<1>(extras));
-  p.out_scale = as_pointer<const float>(std::get<2>(extras));
-  p.group_scales = as_pointer<void>(std::get<3>(extras));
-  p.o_stride_split = o_stride_split;
-  p.stats_stride_split = stats_stride_split;
-  return p;
-}
-
 // A RowStrides field as a (batch, token, head) tuple.
 void def_row_strides(py::class_<MergeParams>& cls, const char* name,
                      kvsplit::RowStrides MergeParams::*field) {
@@ -296,33 +275,6 @@ PYBIND11_MODULE(_ext, m) {
     m.add_object(def.ml_name,
                  py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
   }
-  m.def(
-      "merge_cpu_call",
-      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, const Extras& extras,
-         float log2_scale, int64_t o_stride_split, int64_t stats_stride_split) {
-        raise_for(merge_cpu_released(
-            with_call(launch.params, partial_o, stats, split_counts, sinks, out, out_stats,
-                      extras, log2_scale, o_stride_split, stats_stride_split),
-            launch.config));
-      },
-      "merge_cpu with (row_mask, indptr, out_scale, group_scales) addresses and this call's "
-      "split strides");
-  m.def(
-      "merge_cuda_call",
-      [](const Launch& launch, uintptr_t partial_o, uintptr_t stats, uintptr_t split_counts,
-         uintptr_t sinks, uintptr_t out, uintptr_t out_stats, const Extras& extras,
-         float log2_scale, int64_t o_stride_split, int64_t stats_stride_split, uintptr_t stream) {
-        CudaTarget target = launch.target;
-        target.stream = as_pointer<void>(stream);
-        raise_for(kvsplit::merge_cuda(
-            with_call(launch.params, partial_o, stats, split_counts, sinks, out, out_stats,
-                      extras, log2_scale, o_stride_split, stats_stride_split),
-            launch.config, target));
-      },
-      "merge_cuda with (row_mask, indptr, out_scale, group_scales) addresses and this call's "
-      "split strides");
-
 #if defined(KVSPLIT_WITH_CUDA)
   m.def("launch_noop", [](int grid, uintptr_t stream) {
     raise_for(kvsplit::launch_noop(grid, as_pointer<void>(stream)));

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from .layout import (_INDPTR_DTYPES, _PUBLIC_ROW_DIMS, LSE, NO_EXTRAS, Extras, _check_grad,
+from ._kernel import call_add, current_stream
+from .layout import (_INDPTR_DTYPES, _PUBLIC_ROW_DIMS, NO_EXTRAS, Extras, _check_grad,
                      _extent, _LayoutPlan, _plans, _read_environment, _stats_name,
                      _type_error)
 
@@ -82,11 +83,11 @@ def varlen_view(fmt, partial_o, stats, indptr):
 class _CallPlan:
     """A general call's layout plan, the parts' count and the in-place rule."""
 
-    __slots__ = ("layout", "parts", "in_place", "o_bytes", "extents")
+    __slots__ = ("layout", "parts", "in_place", "call")
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
                  row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims,
-                 out_dtype=None, extras: Extras = NO_EXTRAS, key_splits=None):
+                 out_dtype=None, extras: Extras = NO_EXTRAS, key_splits=None, names=None):
         self.parts = len(partial_o) if isinstance(partial_o, (list, tuple)) else 0
         if self.parts:
             partial_o = _stack_view("partial_o", partial_o)
@@ -120,50 +121,21 @@ class _CallPlan:
                                   empty_stat=empty_stat, stats_in_place=stats_in_place,
                                   row_dims=row_dims, row_mask_stride=mask_stride,
                                   out_dtype=out_dtype, extras=extras, key_splits=key_splits)
-        self.o_bytes = partial_o.dtype.itemsize
-        self.extents = self.layout.extents + (_extent(row_mask), _extent(extras.indptr),
-                                              _extent(extras.out_scale),
-                                              _extent(extras.group_scales))
+        self.call = self.layout.bind(parts=self.parts, in_place=stats_in_place,
+                                     more_extents=(_extent(row_mask), _extent(extras.indptr),
+                                                   _extent(extras.out_scale),
+                                                   _extent(extras.group_scales)),
+                                     names=dict(names) if names else None)
 
 
 def _address(tensor) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _split_step(name: str, addresses: list[int], align: int) -> int:
-    """The one distance in bytes between consecutive parts."""
-    step = addresses[1] - addresses[0]
-    for a, b in zip(addresses[1:], addresses[2:]):
-        if b - a != step:
-            raise ValueError(f"{name}: parts must lie equally far apart in memory (two always "
-                             "do); stack them into one tensor")
-    if step % align:
-        raise ValueError(f"{name}: parts must lie a multiple of {align} bytes apart")
-    return step
-
-
-def _check_call_aliasing(fmt, plan: _CallPlan, inputs, outputs) -> None:
-    """Outputs overlap no input and not each other, except an in-place output over part 0."""
-    for out_name, lo, size, own in outputs:
-        if not lo or not size:
-            continue
-        for in_name, start, extent in inputs:
-            if not start or not extent or (own is not None and start == own and in_name ==
-                                           ("partial_o[0]" if out_name == "out" else
-                                            f"{_stats_name(fmt)}[0]")):
-                continue
-            if start < lo + size and lo < start + extent:
-                raise ValueError(f"{out_name} overlaps {in_name}: outputs must not alias inputs")
-    for i, (a_name, a, a_size, _) in enumerate(outputs):
-        for b_name, b, b_size, _ in outputs[i + 1:]:
-            if a and b and a_size and b_size and a < b + b_size and b < a + a_size:
-                raise ValueError(f"{b_name} overlaps {a_name}: outputs must not alias each other")
-
-
 def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, out=None,
                out_stats=None, return_stats=False, row_mask=None, empty_stat=None,
                stats_in_place=False, kv_split=None, row_dims=_PUBLIC_ROW_DIMS, out_dtype=None,
-               extras: Extras = NO_EXTRAS):
+               extras: Extras = NO_EXTRAS, names=None, register=None):
     """One merge launch of the general call: what :mod:`kvsplit.compat` adapters need.
 
     ``partial_o``/``stats`` are tensors (num_splits, *rows, ...) or lists of parts
@@ -173,11 +145,16 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
     stat read as an empty split (vLLM: +inf); ``stats_in_place`` lets ``out``
     and ``out_stats`` be part 0 itself; ``out_dtype`` the output's dtype when
     ``out`` is not given; ``extras`` FP8 scales, pass-through rows and
-    variable-length states (:class:`kvsplit.layout.Extras`). Plans are cached per
-    layout like :func:`merge_lse`'s. Returns ``out``, or ``(out, out_stats)``
-    when stats are exported.
+    variable-length states (:class:`kvsplit.layout.Extras`); ``names`` the
+    arguments' names in errors, as ``(name, caller's name)`` pairs (see
+    :meth:`kvsplit.layout._LayoutPlan.bind`). Plans are cached per layout like
+    :func:`merge_lse`'s. ``register``, ``(form, reversed, *args)``: the entry point's
+    own call, whose layout the binding's per-call path then serves
+    (csrc/fast_call.cpp; ``reversed``: its two parts are merged in reverse order).
+    Returns ``out``, or ``(out, out_stats)`` when stats are exported.
     """
     key_splits = None
+    generation = _plans.generation
     if extras.indptr is not None:
         if isinstance(partial_o, (list, tuple)):
             raise ValueError("indptr addresses the states of one tensor, not a list of parts")
@@ -189,14 +166,14 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
                None if split_counts is None else _meta(split_counts),
                None if row_mask is None else _meta(row_mask), scalar, empty_stat,
                bool(stats_in_place), bool(return_stats), kv_split, type(kv_split), row_dims,
-               out_dtype, extras.meta(), key_splits, _read_environment())
+               out_dtype, extras.meta(), key_splits, names, _read_environment())
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors: validation says what is wrong
         key = plan = None
     if plan is None:
         plan = _CallPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
                          row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims,
-                         out_dtype, extras, key_splits)
+                         out_dtype, extras, key_splits, names)
         if key is not None and plan.layout.cacheable:
             _plans[key] = plan
     layout = plan.layout
@@ -208,48 +185,17 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
         o_addresses, s_addresses, first = [partial_o.data_ptr()], [stats.data_ptr()], partial_o
     if first.requires_grad:
         _check_grad(first)
-    if plan.parts > 1:
-        o_split = _split_step("partial_o", o_addresses, 16) // plan.o_bytes
-        s_split = _split_step(_stats_name(fmt), s_addresses, 4) // 4
-    elif plan.parts:
-        o_split = s_split = 0
-    else:
-        o_split, s_split = partial_o.stride(0), stats.stride(0)
     if out is None:
         out = torch.empty(layout.out_shape, dtype=layout.out_dtype, device=layout.device)
-    elif plan.in_place and out.data_ptr() != o_addresses[0]:
-        raise ValueError("an in-place merge writes out over partial_o[0]: pass that tensor")
     if out_stats is None and return_stats:
         out_stats = torch.empty(layout.stats_shape, dtype=torch.float32, device=layout.device)
-    elif plan.in_place and out_stats.data_ptr() != s_addresses[0]:
-        raise ValueError("an in-place merge writes out_lse over the stats of part 0: pass them")
-    if o_addresses[0] % 16:
-        raise ValueError("partial_o must be 16-byte aligned")
-    out_addr = out.data_ptr()
-    if out_addr % layout.store_bytes:
-        raise ValueError(f"out and each of its rows must be {layout.store_bytes}-byte aligned")
-    extents = plan.extents
-    os_addr = 0 if out_stats is None else out_stats.data_ptr()
-    stats_name = _stats_name(fmt)
-    inputs = ([(f"partial_o[{i}]" if plan.parts else "partial_o", a, extents[0])
-               for i, a in enumerate(o_addresses)]
-              + [(f"{stats_name}[{i}]" if plan.parts else stats_name, a, extents[1])
-                 for i, a in enumerate(s_addresses)]
-              + [("split_counts", _address(split_counts), extents[2]),
-                 ("sinks", _address(sinks), extents[3]),
-                 ("mask", _address(row_mask), extents[6]),
-                 ("indptr", _address(extras.indptr), extents[7]),
-                 ("out_scale", _address(extras.out_scale), extents[8])])
-    own_o = o_addresses[0] if plan.in_place else None
-    own_s = s_addresses[0] if plan.in_place else None
-    gs_addr = _address(extras.group_scales)
-    _check_call_aliasing(fmt, plan, inputs, [("out", out_addr, extents[4], own_o),
-                                              ("out_lse" if fmt == LSE else "out_stats", os_addr,
-                                               extents[5], own_s),
-                                              ("group_scales", gs_addr, extents[9], None)])
-    if layout.kernel is not None:
-        layout.kernel.launch_call(o_addresses[0], s_addresses[0], inputs[-5][1], inputs[-4][1],
-                                  out_addr, os_addr,
-                                  (inputs[-3][1], inputs[-2][1], inputs[-1][1], gs_addr),
-                                  layout.log2_scale or float(scalar), o_split, s_split)
+    if plan.call is not None:
+        stream = current_stream(layout.device_index) if layout.device_index >= 0 else 0
+        plan.call(o_addresses, s_addresses,
+                  (_address(split_counts), _address(sinks), out.data_ptr(), _address(out_stats),
+                   _address(row_mask), _address(extras.indptr), _address(extras.out_scale),
+                   _address(extras.group_scales)), layout.log2_scale or float(scalar), stream)
+        if register is not None and layout.cacheable and _plans.generation == generation:
+            form, reverse, *args = register
+            call_add(plan.call, reverse, form, *args)
     return (out, out_stats) if out_stats is not None else out

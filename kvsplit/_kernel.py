@@ -30,13 +30,19 @@ def _no_cuda(device_index: int) -> int:
     raise RuntimeError("torch has no CUDA support here")
 
 
-#: The per-call path of a layout seen before (csrc/fast_call.cpp): ``fast_merge(format,
-#: partial_o, stats, scalar, sinks, split_counts, out, kv_split)`` launches a call whose
-#: layout ``fast_add`` registered and returns True, else False (take the Python path).
-fast_merge, fast_add, fast_clear, fast_info = (_ext.fast_merge, _ext.fast_add, _ext.fast_clear,
-                                               _ext.fast_info)
+#: The one per-call path of every eager merge (csrc/fast_call.cpp): ``call_form(roles,
+#: in_place)`` registers an entry point's argument roles (:data:`ROLES`) and returns its
+#: form; ``call_fast(form, *args)`` launches a call whose layout ``call_add(plan, reversed,
+#: form, *args)`` registered and returns True, else False (take the Python path, which
+#: launches through the same :class:`CallPlan`).
+call_form, call_fast, call_add = _ext.call_form, _ext.call_fast, _ext.call_add
+fast_clear, fast_info = _ext.fast_clear, _ext.fast_info
+#: A layout's launch and what its per-call checks read; ``plan(o, stats, others, scale,
+#: stream)`` checks the addresses (alignment, parts, in place, aliasing) and launches.
+CallPlan = _ext.CallPlan
+ROLES = _ext.call_roles
 #: Whether this torch publishes the DLPack exchange table that fast_merge reads
-#: tensors through (torch >= 2.10); without it fast_merge always returns False.
+#: tensors through (torch >= 2.10); without it call_fast always returns False.
 FAST_CALL = _ext.fast_init(getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
                            or getattr(torch.Tensor, "__c_dlpack_exchange_api__", None),
                            torch.Tensor, torch.is_grad_enabled)
@@ -138,21 +144,6 @@ class Plan:
             target.sm_count = sm_count or _sm_count(device.index)
         self.config = config
         self.native = _ext.Launch(params, config.native(), target)
-
-    def launch_call(self, partial_o: int, stats: int, split_counts: int, sinks: int, out: int,
-                    out_stats: int, extras: tuple[int, int, int, int], log2_scale: float,
-                    o_stride_split: int, stats_stride_split: int) -> None:
-        """:meth:`launch` with the addresses ``extras`` = (row_mask, indptr, out_scale,
-        group_scales) and this call's split strides (elements of partial_o, floats of
-        stats): partials in separate tensors, FP8 scales, variable-length states."""
-        if self.is_cuda:
-            _ext.merge_cuda_call(self.native, partial_o, stats, split_counts, sinks, out,
-                                 out_stats, extras, log2_scale, o_stride_split,
-                                 stats_stride_split, current_stream(self.device_index))
-        else:
-            _ext.merge_cpu_call(self.native, partial_o, stats, split_counts, sinks, out,
-                                out_stats, extras, log2_scale, o_stride_split,
-                                stats_stride_split)
 
     def launch(self, partial_o: int, stats: int, split_counts: int, sinks: int, out: int,
                out_stats: int, log2_scale: float) -> None:

@@ -265,7 +265,7 @@ def _heads(row_shape: tuple, sinks) -> int:
 class _LayoutPlan:
     """What a layout's calls share: the launch plan and the byte extents and alignments."""
 
-    __slots__ = ("kernel", "native", "device_index", "rows", "out_shape", "out_dtype", "stats_shape", "device",
+    __slots__ = ("kernel", "native", "device_index", "rows", "fmt", "o_bytes", "call", "out_shape", "out_dtype", "stats_shape", "device",
                  "store_bytes", "extents", "log2_scale", "cacheable")
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
@@ -289,6 +289,8 @@ class _LayoutPlan:
         _check_strides(partial_o, out, out_dtype)
         device = partial_o.device
         self.rows, self.device, self.out_dtype = rows, device, out_dtype
+        self.fmt, self.o_bytes = fmt, partial_o.dtype.itemsize
+        self.call = None  # the binding's CallPlan, made by the caller (see bind)
         self.out_shape = row_shape + (head_dim,)
         self.stats_shape = row_shape + ((2,) if fmt == MAXSUM else ())
         if out_stats is not None:
@@ -330,6 +332,36 @@ class _LayoutPlan:
                 ue8m0=extras.ue8m0,
                 indptr_dtype=None if extras.indptr is None else extras.indptr.dtype)
             self.native, self.device_index = self.kernel.native, self.kernel.device_index
+
+    def bind(self, *, parts: int = 0, in_place: bool = False,
+             more_extents: tuple = (0, 0, 0, 0), names: Optional[dict] = None):
+        """The binding's CallPlan of this layout (None when there is nothing to launch):
+        the launch and what the per-call checks read (csrc/fast_call.cpp), for partials
+        stacked (``parts`` 0) or held in ``parts`` tensors. ``more_extents``: the bytes of
+        (row_mask, indptr, out_scale, group_scales); ``names`` the arguments' names as the
+        caller's users know them (partial_o, stats, split_counts, sinks, out, out_stats, mask,
+        indptr, out_scale, group_scales; a part ``i`` of partial_o
+        is ``partial_o[i]`` unless ``names['o_parts']`` and ``names['s_parts']`` name
+        the parts)."""
+        if self.native is None:
+            return None
+        given = dict(names or {})
+        stats_name = _stats_name(self.fmt)
+        known = {"partial_o": "partial_o", "stats": stats_name, "split_counts": "split_counts",
+                 "sinks": "sinks", "out": "out",
+                 "out_stats": "out_stats" if self.fmt == MAXSUM else "out_lse",
+                 "mask": "mask", "indptr": "indptr", "out_scale": "out_scale",
+                 "group_scales": "group_scales"}
+        known.update({k: v for k, v in given.items() if k in known})
+        if parts:
+            o_names = given.get("o_parts") or [f"{known['partial_o']}[{i}]" for i in range(parts)]
+            s_names = given.get("s_parts") or [f"{known['stats']}[{i}]" for i in range(parts)]
+        else:
+            o_names, s_names = [known["partial_o"]], [known["stats"]]
+        return _kernel.CallPlan(self.native, self.device_index, self.store_bytes,
+                                self.o_bytes, parts, in_place, self.log2_scale,
+                                list(self.extents) + list(more_extents), list(o_names),
+                                list(s_names), list(known.values()))
 
 
 def _store_bytes(partial_dtype: torch.dtype, out_dtype: torch.dtype) -> int:

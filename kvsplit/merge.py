@@ -26,13 +26,24 @@ import torch
 
 from . import _kernel
 from ._call import merge_call
-from .layout import (_FLOAT32_MAX, _LN2, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar, _is_compiling,
-                     _LayoutPlan, _check_grad, _plans, _read_environment, _stats_name, _validate)
+from .layout import (_FLOAT32_MAX, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar, _is_compiling,
+                     _LayoutPlan, _check_grad, _plans, _read_environment, _validate)
 
-_merge_cpu, _merge_cuda = _kernel.merge_cpu, _kernel.merge_cuda
 _current_stream = _kernel.current_stream
-_fast_merge, _fast_add = _kernel.fast_merge, _kernel.fast_add
+_call_fast, _call_add = _kernel.call_fast, _kernel.call_add
 _plans.mirror(_kernel.fast_clear)
+
+# The public calls' forms: (partial_o, stats, scalar, sinks, split_counts, out, kv_split);
+# the maxsum scale is per call, the LSE base keys the plan.
+_R = _kernel.ROLES
+_FORMS = {fmt: _kernel.call_form([_R.PARTIAL_O, _R.STATS, scalar_role, _R.SINKS,
+                                  _R.SPLIT_COUNTS, _R.OUT, _R.KEY])
+          for fmt, scalar_role in ((MAXSUM, _R.SCALE), (LSE, _R.KEY))}
+
+
+def _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split) -> bool:
+    """The binding's per-call path for a public call (False: not served there)."""
+    return _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts, out, kv_split)
 
 
 def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
@@ -59,61 +70,24 @@ def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
     if plan is None:
         plan = _LayoutPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
                            kv_split)
+        plan.call = plan.bind()
         if key is not None and plan.cacheable:
             _plans[key] = plan
     return plan
 
 
-# The order of the addresses of a launch (see _kernel.Plan.launch).
-_NAMES = ("partial_o", None, "split_counts", "sinks", "out", "out_stats")
-
-
-def _check_aliasing(fmt: int, plan: _LayoutPlan, addresses: list[int]) -> None:
-    """Raises if an output (out, out_stats) overlaps an input or the other output."""
-    extents = plan.extents
-    for target in (4, 5):
-        lo = addresses[target]
-        if not lo or not extents[target]:
-            continue
-        hi = lo + extents[target]
-        for source in range(target):
-            start = addresses[source]
-            if start and extents[source] and start < hi and lo < start + extents[source]:
-                name = _NAMES[source] or _stats_name(fmt)
-                raise ValueError(f"{_NAMES[target]} overlaps {name}: outputs must not alias inputs")
-
-
 def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_counts, out,
             out_stats, fresh_out: bool) -> None:
-    """The eager merge into ``out`` (and ``out_stats``) with the layout's plan."""
-    o_addr, out_addr = partial_o.data_ptr(), out.data_ptr()
-    if o_addr % 16:
-        raise ValueError("partial_o must be 16-byte aligned")
-    if out_addr % plan.store_bytes:
-        raise ValueError(f"out and each of its rows must be {plan.store_bytes}-byte aligned")
-    s_addr = stats.data_ptr()
-    if sinks is None and split_counts is None and out_stats is None:
-        c_addr = k_addr = os_addr = 0
-        if not fresh_out:  # outputs allocated here cannot alias anything
-            extents = plan.extents
-            out_end = out_addr + extents[4]
-            if extents[4] and ((o_addr < out_end and out_addr < o_addr + extents[0])
-                               or (s_addr < out_end and out_addr < s_addr + extents[1])):
-                _check_aliasing(fmt, plan, [o_addr, s_addr, 0, 0, out_addr, 0])
-    else:
-        c_addr = 0 if split_counts is None else split_counts.data_ptr()
-        k_addr = 0 if sinks is None else sinks.data_ptr()
-        os_addr = 0 if out_stats is None else out_stats.data_ptr()
-        _check_aliasing(fmt, plan, [o_addr, s_addr, c_addr, k_addr, out_addr, os_addr])
-    native = plan.native
-    if native is None:  # rows = 0: nothing to launch
+    """The eager merge into ``out`` (and ``out_stats``) with the layout's plan: the
+    binding checks the addresses (alignment, aliasing) and launches."""
+    call = plan.call
+    if call is None:  # rows = 0: nothing to launch
         return
-    if plan.device_index < 0:
-        _merge_cpu(native, o_addr, s_addr, c_addr, k_addr, out_addr, os_addr,
-                   plan.log2_scale or scalar)
-    else:
-        _merge_cuda(native, o_addr, s_addr, c_addr, k_addr, out_addr, os_addr,
-                    plan.log2_scale or scalar, _current_stream(plan.device_index))
+    stream = _current_stream(plan.device_index) if plan.device_index >= 0 else 0
+    call((partial_o.data_ptr(),), (stats.data_ptr(),),
+         (0 if split_counts is None else split_counts.data_ptr(),
+          0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
+          0 if out_stats is None else out_stats.data_ptr()), plan.log2_scale or scalar, stream)
 
 
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
@@ -156,9 +130,9 @@ def _remember(plan: _LayoutPlan, generation: int, fmt, partial_o, stats, scalar,
     Not when the plan table was cleared meanwhile (a refresh from another thread:
     the plan may be stale), and not for a plan that was not cached.
     """
-    if plan.native is not None and plan.cacheable and _plans.generation == generation:
-        _fast_add(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split, plan.native,
-                  plan.device_index, plan.store_bytes, plan.extents, plan.log2_scale)
+    if plan.call is not None and plan.cacheable and _plans.generation == generation:
+        _call_add(plan.call, False, _FORMS[fmt], partial_o, stats, scalar, sinks, split_counts,
+                  out, kv_split)
 
 
 def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,

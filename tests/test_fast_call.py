@@ -229,7 +229,7 @@ def test_a_plan_built_while_the_table_was_cleared_is_not_registered(merge_kit, d
     assert _kernel.fast_info()["entries"] == 0
 
 
-def test_tensor_subclasses_and_other_scalars_take_the_python_path(merge_kit, device):
+def test_tensor_subclasses_and_unkeyable_scalars_take_the_python_path(merge_kit, device):
     partial_o, lse, out = lse_call(merge_kit, device)
 
     class Tagged(torch.Tensor):
@@ -241,9 +241,15 @@ def test_tensor_subclasses_and_other_scalars_take_the_python_path(merge_kit, dev
     assert _kernel.fast_info()["entries"] == 0
     sync(device)
     assert_merged(merge_kit, out, partial_o, lse)
-    kvsplit.merge_lse(partial_o, lse, out=out, base=2)  # an int base: same plan, Python path
+    kvsplit.merge_lse(partial_o, lse, out=out, base=2)  # an int base keys its own entry
     before = hits()
+    out.zero_()
     kvsplit.merge_lse(partial_o, lse, out=out, base=2)
+    assert hits() == before + 1
+    sync(device)
+    assert_merged(merge_kit, out, partial_o, lse)
+    before = hits()
+    kvsplit.merge_lse(partial_o, lse, out=out, base=2.0 + 0j)  # not a number the key holds
     assert hits() == before
 
 

@@ -71,14 +71,13 @@ def test_the_eager_call_launches_on_the_plans_device_and_its_current_stream(monk
     streams_asked, launches = [], []
     monkeypatch.setattr(merge, "_current_stream",
                         lambda index: streams_asked.append(index) or 1000 + index)
-    monkeypatch.setattr(merge, "_merge_cuda", lambda *args: launches.append(args))
     plan = _kernel.Plan(KernelConfig.kvsplit(4), 0, partial_o, stats, out, None, 0.69,
                         sm_count=132)
-    layout = SimpleNamespace(native=plan.native, device_index=plan.device_index, store_bytes=16,
-                             extents=(16 * 64 * 512 * 2, 16 * 64 * 8, 0, 0, 64 * 512 * 2, 0),
-                             log2_scale=None)
+    assert plan.native.target.device == 1
+    layout = SimpleNamespace(call=lambda *args: launches.append(args),
+                             device_index=plan.device_index, log2_scale=None)
     merge._launch(layout, merge.MAXSUM, partial_o, stats, 0.25, None, None, out, None, False)
     assert streams_asked == [1]
-    (native, *addresses, scale, stream), = launches
-    assert native is plan.native and native.target.device == 1
-    assert addresses == [1 << 20, 2 << 20, 0, 0, 3 << 20, 0] and scale == 0.25 and stream == 1001
+    (o, s, others, scale, stream), = launches
+    assert list(o) == [1 << 20] and list(s) == [2 << 20]
+    assert list(others) == [0, 0, 3 << 20, 0] and scale == 0.25 and stream == 1001

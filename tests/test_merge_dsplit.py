@@ -287,9 +287,11 @@ def test_one_warp_items_merge_in_place(device, heads, monkeypatch):
     config = KernelConfig.dsplit(1, 2, 4)  # 16 lanes x 2 groups: one warp
     pin(monkeypatch, config)
     launched = []
-    launch_call = _kernel.Plan.launch_call
-    monkeypatch.setattr(_kernel.Plan, "launch_call",
-                        lambda plan, *args: (launched.append(plan.config), launch_call(plan, *args)))
+    plan_init = _kernel.Plan.__init__
+    monkeypatch.setattr(_kernel.Plan, "__init__",
+                        lambda plan, config, *args, **kwargs: (launched.append(config),
+                                                               plan_init(plan, config, *args,
+                                                                         **kwargs))[-1])
     v_dev, s_dev = v.to(device), s.to(device)
     flashinfer.merge_state_in_place(v_dev, s_dev, v_other.to(device), s_other.to(device),
                                     mask=mask.to(device))

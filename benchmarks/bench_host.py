@@ -8,13 +8,19 @@ the dispatcher's choice are made by the warm-up), ``out`` given:
   merge_*(kv_split=K)      the same with a forced K;
   merge_*, Python path     the call without the binding's per-call path
                            (kvsplit.merge._merge: key, plan, checks, launch);
-  of which: binding's ...  csrc/fast_call.cpp's fast_merge called directly;
+  of which: binding's ...  csrc/fast_call.cpp's call_fast called directly;
   raw binding              the launcher of the binding with a prepared
                            parameter object and the addresses (the floor of
                            any Python caller of these kernels);
   empty kernel binding     (GPU) an empty kernel through the binding;
   aten out.add_(0)         one aten op on the same ``out``;
-  of which: ...            pieces of the Python path's own work, timed alone.
+  of which: ...            pieces of the Python path's own work, timed alone;
+  merge_lse, out allocated the public call without ``out`` (one torch.empty);
+  <engine> <op>            each kvsplit.compat adapter on a two-state merge of
+                           tokens=1, heads=8, D=64 (bf16; FA3 float32) with the
+                           engine's layouts: the ones that take their outputs
+                           given compare with merge_lse, the ones that allocate
+                           (as the engine's op does) with "out allocated".
 All variants are timed in turns, two rounds, the median of five samples in
 the better round. GPU shape: D=512 rows=64 N=16 bf16 maxsum; CPU shape
 (the CPU implementation): D=64 rows=1 N=1 bf16 lse.
@@ -67,7 +73,7 @@ def variants(device: str):
         f"{name}(kv_split=1)": lambda: call(kv_split=1),
         f"{name}, Python path": lambda: merge._merge(fmt, o, stats, scalar, None, None, out,
                                                       False, None),
-        "  of which: binding's per-call path": lambda: _kernel.fast_merge(
+        "  of which: binding's per-call path": lambda: merge._fast_merge(
             fmt, o, stats, scalar, None, None, out, None),
     }
     if device == "cuda":
@@ -77,6 +83,7 @@ def variants(device: str):
     else:
         table["raw binding"] = lambda: ext.merge_cpu(launch, *addresses, scale)
     table["aten out.add_(0)"] = lambda: out.add_(0)
+    table.update(adapter_calls(device))
     # What the Python path adds to the raw binding, piece by piece:
     table["  Python path, of which: layout key + plan lookup"] = lambda: merge._plan(
         fmt, o, stats, scalar, None, None, out, False, None)
@@ -85,6 +92,48 @@ def variants(device: str):
     if device == "cuda":
         table["  of which: current stream lookup"] = lambda: raw_stream(0)
     return table, f"D={head_dim} rows={rows} N={num_splits}"
+
+
+def adapter_calls(device: str) -> dict:
+    """{name: call} of each adapter at a two-state decode merge, outputs as its engine has them."""
+    from kvsplit.compat import flash_attn, flashinfer, sglang, vllm, xformers
+
+    g = torch.Generator().manual_seed(5)
+    tokens, heads, head_dim = 1, 8, 64
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    po, so = t(tokens, heads, head_dim), t(tokens, heads, head_dim)
+    pl, sl = t(heads, tokens, dtype=torch.float32), t(heads, tokens, dtype=torch.float32)
+    out, out_lse = torch.empty_like(po), torch.empty_like(pl)
+    s_a, s_b = pl.t().contiguous(), sl.t().contiguous()
+    v_m, s_m = torch.empty_like(po), torch.empty_like(s_a)
+    stacked_o, stacked_s = torch.stack([po, so]), torch.stack([s_a, s_b])
+    fi_v, fi_s = stacked_o.transpose(0, 1).contiguous(), stacked_s.transpose(0, 1).contiguous()
+    fa_o = t(2, 1, tokens, heads, head_dim, dtype=torch.float32)
+    fa_s = t(2, 1, tokens, heads, dtype=torch.float32)
+    x_o = t(2, 1, tokens, heads, head_dim)
+    x_s = t(2, 1, heads, tokens, dtype=torch.float32)
+    plain_o = stacked_o.view(2, tokens * heads, head_dim)
+    plain_s = stacked_s.view(2, tokens * heads)
+    plain_out = torch.empty(tokens * heads, head_dim, dtype=torch.bfloat16, device=device)
+    return {
+        "merge_lse, 2 states, out given": lambda: kvsplit.merge_lse(plain_o, plain_s,
+                                                                    out=plain_out),
+        "merge_lse, 2 states, out allocated": lambda: kvsplit.merge_lse(plain_o, plain_s),
+        "vllm merge_attn_states": lambda: vllm.merge_attn_states(out, po, pl, so, sl),
+        "vllm merge_attn_states + lse": lambda: vllm.merge_attn_states(out, po, pl, so, sl,
+                                                                       out_lse),
+        "sglang merge_state_v2, outs given": lambda: sglang.merge_state_v2(po, s_a, so, s_b,
+                                                                           v_m, s_m),
+        "flashinfer merge_state_in_place": lambda: flashinfer.merge_state_in_place(
+            v_m, s_m, so, s_b),
+        "flashinfer merge_state (allocates)": lambda: flashinfer.merge_state(po, s_a, so, s_b),
+        "flashinfer merge_states (allocates)": lambda: flashinfer.merge_states(fi_v, fi_s),
+        "fa3 flash_attn_combine (allocates)": lambda: flash_attn.flash_attn_combine(fa_o, fa_s),
+        "xformers merge_attentions (allocates)": lambda: xformers.merge_attentions(x_o, x_s),
+    }
 
 
 def measure(table: dict, device: str, calls: int = 20000) -> dict[str, float]:
@@ -122,6 +171,14 @@ def main() -> int:
     over_add = result[merge_name] / result["aten out.add_(0)"]
     print(f"  {merge_name} - raw binding = {over_raw:.2f} us; "
           f"{merge_name} / add_ = {over_add:.2f}x")
+    given = result["merge_lse, 2 states, out given"]
+    allocated = result["merge_lse, 2 states, out allocated"]
+    print("  adapters against the plain call (same process, same run):")
+    for name, us in result.items():
+        if name.split()[0] in ("vllm", "sglang", "flashinfer", "fa3", "xformers"):
+            base = allocated if "allocates" in name else given
+            print(f"    {name:38s} {us - base:+6.2f} us vs merge_lse "
+                  f"({'out allocated' if 'allocates' in name else 'out given'})")
     print(f"  fast path served {_kernel.fast_info()['hits']} calls (enabled: {_kernel.FAST_CALL})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,15 @@ from typing import Optional
 import torch
 
 from .._call import merge_call
+from .._kernel import ROLES, call_fast, call_form
 from ..layout import LSE
+from . import _checks
 
 __all__ = ["flash_attn_combine"]
+
+_FORM = call_form([ROLES.PARTIAL_O, ROLES.STATS, ROLES.OUT, ROLES.OUT_STATS])
+_NAMES = (("partial_o", "out_partial"), ("stats", "lse_partial"), ("out", "out"),
+          ("out_stats", "softmax_lse"))
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -34,12 +40,30 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
                         f"{dtype}")
     if out is not None and out_dtype is not None and out_dtype != out.dtype:
         raise TypeError(f"out_dtype {out_dtype} does not match out ({out.dtype})")
+    if not (isinstance(out_partial, torch.Tensor) and out_partial.dim() == 5):
+        _check(out_partial, lse_partial, out)  # raises
     _, batch, seqlen, num_heads, head_dim = out_partial.shape
     if out is None:
         out = torch.empty(batch, seqlen, num_heads, head_dim, dtype=dtype,
                           device=out_partial.device)
     softmax_lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float32,
                               device=out_partial.device).transpose(1, 2)
-    merge_call(LSE, out_partial, lse_partial, math.e, out=out, out_stats=softmax_lse,
-               row_dims=(3,))
+    if not call_fast(_FORM, out_partial, lse_partial, out, softmax_lse):
+        _check(out_partial, lse_partial, out)
+        merge_call(LSE, out_partial, lse_partial, math.e, out=out, out_stats=softmax_lse,
+                   row_dims=(3,), names=_NAMES,
+                   register=(_FORM, False, out_partial, lse_partial, out, softmax_lse))
     return out, softmax_lse
+
+
+def _check(out_partial, lse_partial, out) -> None:
+    """FlashAttention's shapes in its names (a layout's first call)."""
+    _checks.tensor("out_partial", out_partial,
+                   dims="(num_splits, batch, seqlen, num_heads, head_dim)",
+                   dtypes=_checks.STATE_DTYPES)
+    _checks.tensor("lse_partial", lse_partial, dims="(num_splits, batch, seqlen, num_heads)",
+                   shape=tuple(out_partial.shape[:4]), dtypes=(torch.float32,),
+                   device=out_partial.device)
+    if out is not None:
+        _checks.tensor("out", out, dims="(batch, seqlen, num_heads, head_dim)",
+                       shape=tuple(out_partial.shape[1:]), device=out_partial.device)

@@ -13,9 +13,22 @@ from typing import Optional
 import torch
 
 from .._call import merge_call
+from .._kernel import ROLES, call_fast, call_form
 from ..layout import LSE, Extras
+from . import _checks
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states"]
+
+_R = ROLES
+_MERGE_STATES = call_form([_R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS])
+_MERGE_STATE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS])
+_IN_PLACE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS,
+                       _R.ROW_MASK], in_place=True)
+_STATES_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"), ("out_stats", "s_merged"))
+_STATE_NAMES = (("o_parts", ("v_a", "v_b")), ("s_parts", ("s_a", "s_b")), ("out", "v_merged"),
+                ("out_stats", "s_merged"))
+_IN_PLACE_NAMES = (("o_parts", ("v", "v_other")), ("s_parts", ("s", "s_other")), ("out", "v"),
+                   ("out_stats", "s"), ("mask", "mask"))
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,11 +44,16 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     (V, S): (seq_len, num_heads, head_dim) in v's dtype and float32
     (seq_len, num_heads), base 2.
     """
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4):
+        _check_states(v, s)  # raises
     seq_len, _, num_heads, head_dim = v.shape
     v_merged = torch.empty(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device)
     s_merged = torch.empty(seq_len, num_heads, dtype=torch.float32, device=v.device)
-    merge_call(LSE, v.permute(1, 0, 2, 3), s.permute(1, 0, 2), 2.0, out=v_merged,
-               out_stats=s_merged)
+    if not call_fast(_MERGE_STATES, v, s, v_merged, s_merged):
+        _check_states(v, s)
+        merge_call(LSE, v.permute(1, 0, 2, 3), s.permute(1, 0, 2), 2.0, out=v_merged,
+                   out_stats=s_merged, names=_STATES_NAMES,
+                   register=(_MERGE_STATES, False, v, s, v_merged, s_merged))
     return v_merged, s_merged
 
 
@@ -45,9 +63,15 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
 
     Returns ``(V, S)`` shaped like ``v_a`` and ``s_a`` (``empty_like`` of each).
     """
+    if not (isinstance(v_a, torch.Tensor) and isinstance(s_a, torch.Tensor)):
+        _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)  # raises
     v_merged = torch.empty_like(v_a)
     s_merged = torch.empty_like(s_a)
-    merge_call(LSE, (v_a, v_b), (s_a, s_b), 2.0, out=v_merged, out_stats=s_merged)
+    if not call_fast(_MERGE_STATE, v_a, s_a, v_b, s_b, v_merged, s_merged):
+        _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
+        merge_call(LSE, (v_a, v_b), (s_a, s_b), 2.0, out=v_merged, out_stats=s_merged,
+                   names=_STATE_NAMES,
+                   register=(_MERGE_STATE, False, v_a, s_a, v_b, s_b, v_merged, s_merged))
     return v_merged, s_merged
 
 
@@ -59,10 +83,17 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     untouched (neither read nor written). ``s`` must be float32: FlashInfer
     would update a converted copy of any other dtype, losing the update.
     """
-    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+    if call_fast(_IN_PLACE, v, s, v_other, s_other, v, s, mask):
+        return
+    if isinstance(s, torch.Tensor) and s.dtype != torch.float32:
         raise TypeError("s must be a float32 tensor (it is updated in place)")
+    _check_pair(("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
+    if mask is not None:
+        _checks.tensor("mask", mask, dims="(seq_len,)", shape=(v.shape[0],),
+                       dtypes=(torch.bool, torch.uint8), device=v.device)
     merge_call(LSE, (v, v_other), (s, s_other), 2.0, out=v, out_stats=s, row_mask=mask,
-               stats_in_place=True)
+               stats_in_place=True, names=_IN_PLACE_NAMES,
+               register=(_IN_PLACE, False, v, s, v_other, s_other, v, s, mask))
 
 
 def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
@@ -99,3 +130,20 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
     s_merged = torch.empty(seq_len, num_heads, dtype=torch.float32, device=v.device)
     merge_call(LSE, v, s, 2.0, out=v_merged, out_stats=s_merged, extras=Extras(indptr=indptr))
     return v_merged, s_merged
+
+
+def _check_pair(names, v_a, s_a, v_b, s_b) -> None:
+    """Two states (seq_len, num_heads, head_dim) with float32 LSEs (seq_len, num_heads)."""
+    na, sa, nb, sb = names
+    _checks.tensor(na, v_a, dims="(seq_len, num_heads, head_dim)", dtypes=_checks.STATE_DTYPES)
+    _checks.tensor(sa, s_a, dims="(seq_len, num_heads)", shape=tuple(v_a.shape[:2]),
+                   dtypes=(torch.float32,), device=v_a.device)
+    _checks.same(nb, v_b, na, v_a)
+    _checks.same(sb, s_b, sa, s_a)
+
+
+def _check_states(v, s) -> None:
+    _checks.tensor("v", v, dims="(seq_len, num_states, num_heads, head_dim)",
+                   dtypes=_checks.STATE_DTYPES)
+    _checks.tensor("s", s, dims="(seq_len, num_states, num_heads)", shape=tuple(v.shape[:3]),
+                   dtypes=(torch.float32,), device=v.device)

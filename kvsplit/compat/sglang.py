@@ -18,10 +18,14 @@ from typing import Optional
 import torch
 
 from .._call import merge_call
+from .._kernel import ROLES, call_fast, call_form
 from ..layout import LSE
 
 __all__ = ["merge_state", "merge_state_v2"]
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (v_a, s_a, v_b, s_b, v_merged, s_merged); the output may be either state itself.
+_FORM = call_form([ROLES.PARTIAL_O, ROLES.STATS, ROLES.PARTIAL_O, ROLES.STATS, ROLES.OUT,
+                   ROLES.OUT_STATS], in_place=True)
 
 
 def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None:
@@ -65,27 +69,36 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
 
 
 def _merge_pair(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype):
+    if isinstance(v_a, torch.Tensor) and isinstance(s_a, torch.Tensor):
+        if v_merged is None:
+            v_merged = torch.empty_like(v_a)
+        if s_merged is None:
+            s_merged = torch.empty_like(s_a, dtype=torch.float32)
+        if call_fast(_FORM, v_a, s_a, v_b, s_b, v_merged, s_merged):  # a layout seen before
+            return v_merged, s_merged
     _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype)
+    args = (v_a, s_a, v_b, s_b, v_merged, s_merged)
     # SGLang reads the LSE as float32 (a converted copy of any other dtype, as SGLang makes).
+    copied = s_a.dtype != torch.float32 or s_b.dtype != torch.float32
     s_a = s_a if s_a.dtype == torch.float32 else s_a.float()
     s_b = s_b if s_b.dtype == torch.float32 else s_b.float()
     # An output over an input is an elementwise in-place merge in SGLang. kvsplit writes in
     # place over the first state only, and over its output and LSE together: put that state
     # first (the merge is symmetric).
-    on_a = v_merged is not None and v_merged.data_ptr() == v_a.data_ptr()
-    on_b = v_merged is not None and v_merged.data_ptr() == v_b.data_ptr()
+    on_a = v_merged.data_ptr() == v_a.data_ptr()
+    on_b = v_merged.data_ptr() == v_b.data_ptr()
+    na, sa, nb, sb, nv, ns = names
     if on_b:
         v_a, s_a, v_b, s_b = v_b, s_b, v_a, s_a
+        na, sa, nb, sb = nb, sb, na, sa
     in_place = on_a or on_b
-    if in_place and (s_merged is None or s_merged.data_ptr() != s_a.data_ptr()):
-        raise ValueError(f"{names[4]} may be {names[2] if on_b else names[0]} itself only with "
-                         f"{names[5]} being {names[3] if on_b else names[1]} (an in-place merge)")
-    if v_merged is None:
-        v_merged = torch.empty_like(v_a)
-    if s_merged is None:
-        s_merged = torch.empty_like(s_a)
+    if in_place and s_merged.data_ptr() != s_a.data_ptr():
+        raise ValueError(f"{nv} may be {na} itself only with {ns} being {sa} (an in-place merge)")
     merge_call(LSE, (v_a, v_b), (s_a, s_b), math.e, out=v_merged, out_stats=s_merged,
-               empty_stat=math.inf, stats_in_place=in_place)
+               empty_stat=math.inf, stats_in_place=in_place,
+               names=(("o_parts", (na, nb)), ("s_parts", (sa, sb)), ("out", nv),
+                      ("out_stats", ns)),
+               register=None if copied else (_FORM, on_b) + args)
     return v_merged, s_merged
 
 

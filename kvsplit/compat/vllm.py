@@ -15,9 +15,18 @@ from typing import Optional
 import torch
 
 from .._call import merge_call
+from .._kernel import ROLES, call_fast, call_form
+from ..config import FP8_DTYPES
 from ..layout import LSE, NO_EXTRAS, Extras
+from . import _checks
 
 __all__ = ["merge_attn_states"]
+
+_FORM = call_form([ROLES.OUT, ROLES.PARTIAL_O, ROLES.STATS, ROLES.PARTIAL_O, ROLES.STATS,
+                   ROLES.OUT_STATS, ROLES.KEY, ROLES.OUT_SCALE])
+_NAMES = (("o_parts", ("prefix_output", "suffix_output")),
+          ("s_parts", ("prefix_lse", "suffix_lse")), ("out", "output"),
+          ("out_stats", "output_lse"), ("out_scale", "output_scale"))
 
 
 def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
@@ -40,8 +49,45 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
     output_scale : Tensor (1,), float32, optional
         FP8 output: ``output = fp8(clamp(merged / output_scale))``.
     """
+    if call_fast(_FORM, output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+                 prefill_tokens_with_context, output_scale):
+        return
+    _check(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+           prefill_tokens_with_context, output_scale)
     extras = (NO_EXTRAS if prefill_tokens_with_context is None and output_scale is None
               else Extras(out_scale=output_scale, pass_through_from=prefill_tokens_with_context))
     merge_call(LSE, (prefix_output, suffix_output), (prefix_lse.t(), suffix_lse.t()), math.e,
                out=output, out_stats=None if output_lse is None else output_lse.t(),
-               empty_stat=math.inf, extras=extras)
+               empty_stat=math.inf, extras=extras, names=_NAMES,
+               register=(_FORM, False, output, prefix_output, prefix_lse, suffix_output,
+                         suffix_lse, output_lse, prefill_tokens_with_context, output_scale))
+
+
+_STATES = "(num_tokens, num_heads, head_size)"
+_LSES = "(num_heads, num_tokens)"
+
+
+def _check(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+           prefill_tokens_with_context, output_scale) -> None:
+    """vLLM's rules in vLLM's names and shapes."""
+    _checks.tensor("prefix_output", prefix_output, dims=_STATES, dtypes=_checks.STATE_DTYPES)
+    tokens, heads, _ = prefix_output.shape
+    device = prefix_output.device
+    _checks.same("suffix_output", suffix_output, "prefix_output", prefix_output)
+    out_dtypes = _checks.STATE_DTYPES + tuple(getattr(torch, n) for n in FP8_DTYPES)
+    _checks.tensor("output", output, dims=_STATES, shape=tuple(prefix_output.shape),
+                   dtypes=out_dtypes, device=device)
+    for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
+        _checks.tensor(name, lse, dims=_LSES, shape=(heads, tokens), dtypes=(torch.float32,),
+                       device=device)
+    if output_lse is not None:
+        _checks.tensor("output_lse", output_lse, dims=_LSES, shape=(heads, tokens),
+                       dtypes=(torch.float32,), device=device)
+    _checks.optional_int("prefill_tokens_with_context", prefill_tokens_with_context, 0, tokens)
+    if output_scale is not None:
+        _checks.tensor("output_scale", output_scale, dtypes=(torch.float32,), device=device)
+        if output_scale.numel() != 1:
+            raise ValueError(f"output_scale must hold one float32 scale, got shape "
+                             f"{tuple(output_scale.shape)}")
+        if output.dtype not in out_dtypes[3:]:
+            raise TypeError(f"output_scale is for an FP8 output; output is {output.dtype}")

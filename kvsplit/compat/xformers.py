@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .._call import merge_call
+from .._kernel import ROLES, call_fast, call_form
 from ..config import DTYPE_PAIRS
 from ..layout import LSE
 
@@ -23,6 +24,10 @@ __all__ = ["merge_attentions"]
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OUT_DTYPES = tuple(dict.fromkeys(getattr(torch, b) for _, b in DTYPE_PAIRS))
 Chunks = Union[torch.Tensor, Sequence[torch.Tensor]]
+# A stacked call: attn_split, lse_split, attn_out, lse_out (None without write_lse).
+_FORM = call_form([ROLES.PARTIAL_O, ROLES.STATS, ROLES.OUT, ROLES.OUT_STATS])
+_NAMES = (("partial_o", "attn_split"), ("stats", "lse_split"), ("out", "attn_out"),
+          ("out_stats", "lse_out"))
 
 
 def _fold(t: torch.Tensor, g: int, name: str) -> torch.Tensor:
@@ -72,6 +77,15 @@ def _one_layout(chunks: list[torch.Tensor], align: int) -> bool:
     return step % align == 0 and all(b - a == step for a, b in zip(addresses, addresses[1:]))
 
 
+def _outputs(shape, dtype, device, write_lse):
+    """attn_out [B, M, (G,) H, K] and lse_out [B, (G,) H, M] (None without write_lse)."""
+    shape = tuple(shape)
+    attn_out = torch.empty(shape, dtype=dtype, device=device)
+    lse_out = (torch.empty(shape[:1] + shape[2:-1] + shape[1:2], dtype=torch.float32,
+                           device=device) if write_lse else None)
+    return attn_out, lse_out
+
+
 def merge_attentions(attn_split: Chunks, lse_split: Chunks, write_lse: bool = True,
                      output_dtype: Optional[torch.dtype] = None
                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -98,6 +112,15 @@ def merge_attentions(attn_split: Chunks, lse_split: Chunks, write_lse: bool = Tr
     A list whose chunks have different strides, or (more than two) do not lie
     equally far apart in memory, is stacked first: one copy of each list.
     """
+    attn_out = lse_out = None
+    if (isinstance(attn_split, torch.Tensor) and isinstance(lse_split, torch.Tensor)
+            and attn_split.dim() in (5, 6) and attn_split.dtype in _ATTN_DTYPES
+            and (output_dtype is None or output_dtype in _OUT_DTYPES)):
+        # Perhaps a layout seen before: allocate and try the binding's per-call path.
+        attn_out, lse_out = _outputs(attn_split.shape[1:], output_dtype or attn_split.dtype,
+                                     attn_split.device, write_lse)
+        if call_fast(_FORM, attn_split, lse_split, attn_out, lse_out):
+            return attn_out, lse_out
     if isinstance(attn_split, torch.Tensor) and isinstance(lse_split, torch.Tensor):
         attn, lse = attn_split, lse_split
         if attn.dim() != lse.dim() + 1 or attn.dim() not in (5, 6):
@@ -134,15 +157,15 @@ def merge_attentions(attn_split: Chunks, lse_split: Chunks, write_lse: bool = Tr
                         f"{out_dtype}")
     shape = tuple(attn[0].shape)  # [B, M, (G,) H, K]
     grouped = len(shape) == 5
-    attn_out = torch.empty(shape, dtype=out_dtype, device=attn[0].device)
-    lse_out = (torch.empty(shape[:1] + shape[2:-1] + shape[1:2], dtype=torch.float32,
-                           device=attn[0].device) if write_lse else None)
+    if attn_out is None or attn_out.dtype != out_dtype:
+        attn_out, lse_out = _outputs(shape, out_dtype, attn[0].device, write_lse)
 
     def rows(t: torch.Tensor, lead: int, name: str, is_lse: bool = False) -> torch.Tensor:
         """[(C,) B, M, G*H(, K)] after ``lead`` leading dims: M moved next to B, G and H folded."""
         t = t.movedim(-1, lead + 1) if is_lse else t
         return _fold(t, lead + 2, name) if grouped else t
 
+    given = stacked and isinstance(attn_split, torch.Tensor)  # stacked by the caller
     if stacked:
         parts_o, parts_s = rows(attn, 1, "attn_split"), rows(lse, 1, "lse_split", True)
     else:
@@ -150,5 +173,6 @@ def merge_attentions(attn_split: Chunks, lse_split: Chunks, write_lse: bool = Tr
         parts_s = [rows(c, 0, "lse_split", True) for c in lse]
     merge_call(LSE, parts_o, parts_s, math.e, out=rows(attn_out, 0, "attn_out"),
                out_stats=None if lse_out is None else rows(lse_out, 0, "lse_out", True),
-               row_dims=(3,))
+               row_dims=(3,), names=_NAMES if given else None,
+               register=(_FORM, False, attn, lse, attn_out, lse_out) if given else None)
     return attn_out, lse_out

@@ -1,0 +1,61 @@
+"""Argument checks in an engine's own terms, for the adapters' first call of a layout.
+
+An adapter checks its arguments with these before it hands them to the general
+call, so that a bad input is a ValueError or TypeError naming the argument as
+the engine's users know it, with the shapes as they pass them (vLLM's
+head-major LSE as ``(num_heads, num_tokens)``, not the view kvsplit merges).
+A call of a layout seen before never gets here: the binding serves it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import torch
+
+STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def tensor(name: str, value, *, dims: Optional[str] = None, shape: Optional[tuple] = None,
+           dtypes: Optional[Sequence[torch.dtype]] = None,
+           device: Optional[torch.device] = None) -> torch.Tensor:
+    """Checks ``value``: a tensor, ``dims`` the dim names as the engine writes them
+    (``"(num_tokens, num_heads, head_size)"``), ``shape`` its exact shape (sizes
+    given by other arguments), ``dtypes`` the allowed ones, ``device``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dims is not None:
+        rank = sum(1 for part in dims.strip("()").split(",") if part.strip())
+        if value.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {dims}, got shape {tuple(value.shape)}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        what = f" {dims}" if dims else ""
+        raise ValueError(f"{name} must have shape{what} {tuple(shape)}, got {tuple(value.shape)}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_names(dtypes)}; got "
+                        f"{str(value.dtype).removeprefix('torch.')}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device}, the other tensors on {device}")
+    return value
+
+
+def same(name: str, value, like_name: str, like: torch.Tensor, *,
+         dtypes: Optional[Sequence[torch.dtype]] = None) -> torch.Tensor:
+    """``value`` has ``like``'s shape and device, and its dtype unless ``dtypes`` are given."""
+    tensor(name, value, shape=tuple(like.shape), device=like.device,
+           dtypes=dtypes if dtypes is not None else (like.dtype,))
+    return value
+
+
+def optional_int(name: str, value, low: int, high: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be {low}..{high}, got {value}")

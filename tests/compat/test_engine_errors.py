@@ -1,0 +1,94 @@
+"""Bad input to an adapter: ValueError or TypeError in the engine's own names and shapes,
+raised before anything is written (outputs hold a sentinel that must survive)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsplit.compat import flash_attn, flashinfer, sglang, vllm
+
+SENTINEL = 7.0
+T, H, D = 4, 8, 64
+
+
+def states(device):
+    g = torch.Generator().manual_seed(11)
+    o = torch.randn(T, H, D, generator=g).bfloat16().to(device)
+    lse = torch.randn(H, T, generator=g).to(device)  # vLLM: head-major
+    return o, lse
+
+
+def sentinel(*shape, dtype=torch.bfloat16, device="cpu"):
+    return torch.full(shape, SENTINEL, dtype=dtype, device=device)
+
+
+def cases(device):
+    o, lse = states(device)
+    o2, lse2 = o.clone(), lse.clone()
+    v = torch.stack([o, o2], 1)          # FlashInfer merge_states [seq, N, heads, D]
+    s = torch.stack([lse.t(), lse2.t()], 1)
+    out = sentinel(T, H, D, device=device)
+    out_lse = sentinel(H, T, dtype=torch.float32, device=device)
+    return {
+        "vllm output_lse token-major": (
+            lambda: vllm.merge_attn_states(out, o, lse, o2, lse2,
+                                           sentinel(T, H, dtype=torch.float32, device=device)),
+            ValueError, r"output_lse must have shape \(num_heads, num_tokens\) \(8, 4\), "
+                        r"got \(4, 8\)"),
+        "vllm 1-D prefix_lse": (
+            lambda: vllm.merge_attn_states(out, o, lse[0], o2, lse2, out_lse),
+            ValueError, r"prefix_lse must be 2-D \(num_heads, num_tokens\)"),
+        "vllm suffix_output shape": (
+            lambda: vllm.merge_attn_states(out, o, lse, o2[:2], lse2, out_lse),
+            ValueError, r"suffix_output must have shape \(4, 8, 64\), got \(2, 8, 64\)"),
+        "vllm float16 lse": (
+            lambda: vllm.merge_attn_states(out, o, lse.half(), o2, lse2, out_lse),
+            TypeError, r"prefix_lse must have dtype float32; got float16"),
+        "vllm prefill tokens past the tokens": (
+            lambda: vllm.merge_attn_states(out, o, lse, o2, lse2, out_lse, T + 1),
+            ValueError, r"prefill_tokens_with_context must be 0\.\.4, got 5"),
+        "vllm output_scale, bf16 output": (
+            lambda: vllm.merge_attn_states(out, o, lse, o2, lse2, out_lse, None,
+                                           torch.ones(1, device=device)),
+            TypeError, r"output_scale is for an FP8 output"),
+        "flashinfer merge_states s with a trailing dim": (
+            lambda: flashinfer.merge_states(v, s[..., None]),
+            ValueError, r"s must be 3-D \(seq_len, num_states, num_heads\)"),
+        "flashinfer merge_states v without num_states": (
+            lambda: flashinfer.merge_states(v[:, 0], s),
+            ValueError, r"v must be 4-D \(seq_len, num_states, num_heads, head_dim\)"),
+        "flashinfer merge_state s_b shape": (
+            lambda: flashinfer.merge_state(o, lse.t(), o2, lse2),
+            ValueError, r"s_b must have shape \(4, 8\), got \(8, 4\)"),
+        "flashinfer merge_state_in_place mask": (
+            lambda: flashinfer.merge_state_in_place(out, out_lse.t(), o2, lse2.t(),
+                                                    torch.ones(T + 1, dtype=torch.bool,
+                                                               device=device)),
+            ValueError, r"mask must have shape \(seq_len,\) \(4,\), got \(5,\)"),
+        "fa3 4-D out_partial": (
+            lambda: flash_attn.flash_attn_combine(torch.randn(2, 3, 8, 64, device=device),
+                                                  torch.randn(2, 3, 8, device=device)),
+            ValueError, r"out_partial must be 5-D \(num_splits, batch, seqlen, num_heads, "
+                        r"head_dim\)"),
+        "fa3 out shape": (
+            lambda: flash_attn.flash_attn_combine(torch.randn(2, 1, 3, 8, 64, device=device),
+                                                  torch.randn(2, 1, 3, 8, device=device),
+                                                  out=sentinel(1, 3, 8, 32, dtype=torch.float32,
+                                                               device=device)),
+            ValueError, r"out must have shape \(batch, seqlen, num_heads, head_dim\) "
+                        r"\(1, 3, 8, 64\), got \(1, 3, 8, 32\)"),
+        "sglang 2-D states": (
+            lambda: sglang.merge_state_v2(o[0], lse, o2[0], lse2, out[0]),
+            ValueError, r"v_a and v_b must be 3-D \(num_tokens, num_heads, head_size\)"),
+    }, (out, out_lse)
+
+
+@pytest.mark.parametrize("case", sorted(cases("cpu")[0]))
+def test_bad_input_names_the_engines_argument(device, case):
+    table, outputs = cases(device)
+    call, error, message = table[case]
+    with pytest.raises(error, match=message):
+        call()
+    for output in outputs:
+        assert (output.float() == SENTINEL).all(), "an output was written"

@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from state_reference import merge_reference as merge_states_reference
+from state_reference import seeded as gen
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvsplit.compat import flash_attn, flashinfer, vllm
@@ -21,28 +23,6 @@ from kvsplit.compat import flash_attn, flashinfer, vllm
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 LSE_TOL = 1e-4
-
-
-def gen(*key):
-    import zlib
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def merge_states_reference(vs, ss, base, *, inf_is_empty=False):
-    """vs (n, ..., D), ss (n, ...): the merged (v, lse) in float64."""
-    v, s = vs.double(), ss.double()
-    if inf_is_empty:
-        s = torch.where(s == math.inf, torch.full_like(s, -math.inf), s)
-    top = s.amax(dim=0)
-    empty = top == -math.inf
-    safe = torch.where(empty, torch.zeros_like(top), top)
-    w = torch.where(s == -math.inf, torch.zeros_like(s), base ** (s - safe))
-    total = w.sum(dim=0)
-    out = (w.unsqueeze(-1) * v).sum(dim=0) / torch.where(empty, torch.ones_like(total),
-                                                          total).unsqueeze(-1)
-    lse = torch.where(empty, torch.full_like(top, -math.inf),
-                      torch.log(total.clamp_min(1e-300)) / math.log(base) + safe)
-    return torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out), lse
 
 
 def random_states(n, lead, head_dim, dtype, g, *, empty=0.15, pos_inf=0.0):

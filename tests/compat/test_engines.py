@@ -12,10 +12,11 @@ and, marked gpu, on CUDA.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
+from state_reference import merge_reference as reference
+from state_reference import seeded as gen
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvsplit.compat import flashinfer, sglang, xformers
@@ -23,27 +24,6 @@ from kvsplit.compat import flashinfer, sglang, xformers
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 LSE_TOL = 1e-4
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def reference(vs, ss, base, *, inf_is_empty=False):
-    """vs (n, ..., D), ss (n, ...): the merged (v, lse) in float64, 0 and -inf when empty."""
-    v, s = vs.double(), ss.double()
-    if inf_is_empty:
-        s = torch.where(s == math.inf, torch.full_like(s, -math.inf), s)
-    top = s.amax(dim=0)
-    empty = top == -math.inf
-    safe = torch.where(empty, torch.zeros_like(top), top)
-    w = torch.where(s == -math.inf, torch.zeros_like(s), base ** (s - safe))
-    total = w.sum(dim=0)
-    out = (w.unsqueeze(-1) * v).sum(dim=0) / torch.where(empty, torch.ones_like(total),
-                                                          total).unsqueeze(-1)
-    lse = torch.where(empty, torch.full_like(top, -math.inf),
-                      torch.log(total.clamp_min(1e-300)) / math.log(base) + safe)
-    return torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out), lse
 
 
 def states(n, lead, head_dim, dtype, g, *, empty=0.15, pos_inf=0.0):

@@ -11,10 +11,10 @@ argument names. SGLang's in-place merges over either state are served too.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
+from state_reference import merge_reference, seeded as gen
 
 from kvsplit import _kernel
 from kvsplit.compat import flash_attn, flashinfer, sglang, vllm, xformers
@@ -37,24 +37,8 @@ def hits() -> int:
     return _kernel.fast_info()["hits"]
 
 
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
 def reference(vs, ss, base):
-    """vs (n, ..., D), ss (n, ...) -> float64 (v, lse); any infinite LSE is an empty state."""
-    v, s = vs.double(), ss.double()
-    s = torch.where(s.isinf(), torch.full_like(s, -math.inf), s)
-    top = s.amax(dim=0)
-    empty = top == -math.inf
-    safe = torch.where(empty, torch.zeros_like(top), top)
-    w = torch.where(s == -math.inf, torch.zeros_like(s), base ** (s - safe))
-    total = w.sum(dim=0)
-    out = (w.unsqueeze(-1) * v).sum(dim=0) / torch.where(empty, torch.ones_like(total),
-                                                          total).unsqueeze(-1)
-    lse = torch.where(empty, torch.full_like(top, -math.inf),
-                      torch.log(total.clamp_min(1e-300)) / math.log(base) + safe)
-    return torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out), lse
+    return merge_reference(vs, ss, base, inf_is_empty=True)
 
 
 def fill(tensors, seed):

@@ -26,7 +26,7 @@ import torch
 
 from . import _kernel
 from ._call import merge_call
-from .layout import (_FLOAT32_MAX, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar, _is_compiling,
+from .layout import (_OUT_DTYPES, _FLOAT32_MAX, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar, _is_compiling,
                      _LayoutPlan, _check_grad, _plans, _read_environment, _validate)
 
 _current_stream = _kernel.current_stream
@@ -36,9 +36,19 @@ _plans.mirror(_kernel.fast_clear)
 # The public calls' forms: (partial_o, stats, scalar, sinks, split_counts, out, kv_split);
 # the maxsum scale is per call, the LSE base keys the plan.
 _R = _kernel.ROLES
+_DEFAULT_OUT = {dtype: outs[0] for dtype, outs in _OUT_DTYPES.items()}
 _FORMS = {fmt: _kernel.call_form([_R.PARTIAL_O, _R.STATS, scalar_role, _R.SINKS,
                                   _R.SPLIT_COUNTS, _R.OUT, _R.KEY])
           for fmt, scalar_role in ((MAXSUM, _R.SCALE), (LSE, _R.KEY))}
+
+
+def _fresh(partial_o) -> Optional[torch.Tensor]:
+    """The output a call without ``out`` allocates (the partials' default out dtype), or None
+    when ``partial_o`` is not a tensor of a partial dtype (validation will say)."""
+    if type(partial_o) is not torch.Tensor or partial_o.dtype not in _DEFAULT_OUT:
+        return None
+    return torch.empty(partial_o.shape[1:], dtype=_DEFAULT_OUT[partial_o.dtype],
+                       device=partial_o.device)
 
 
 def _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split) -> bool:
@@ -116,7 +126,8 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
         _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, fresh_out)
         return out, out_stats
     _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, fresh_out)
-    if not fresh_out:
+    if not fresh_out or _DEFAULT_OUT.get(partial_o.dtype) == out.dtype:
+        # An allocated out registers as given: the next call allocates the same (_fresh).
         _remember(plan, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
                   kv_split)
     return out
@@ -249,10 +260,11 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     non-empty split is 0 with stats (-inf, 0). No input may require grad
     while grad mode is on (there is no backward).
     """
-    if (out is not None and not return_stats and not _is_compiling()
-            and _fast_merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
-                            kv_split)):
-        return out
+    if not return_stats and not _is_compiling():
+        given = out if out is not None else _fresh(partial_o) if out_dtype is None else None
+        if given is not None and _fast_merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks,
+                                             split_counts, given, kv_split):
+            return given
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
                       indptr)
     if extras is not None or isinstance(partial_o, (list, tuple)):
@@ -291,9 +303,11 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     Tensor, or (Tensor, Tensor) with ``return_lse``. A row with no non-empty
     split is 0 with LSE -inf.
     """
-    if (out is not None and not return_lse and not _is_compiling()
-            and _fast_merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, kv_split)):
-        return out
+    if not return_lse and not _is_compiling():
+        given = out if out is not None else _fresh(partial_o) if out_dtype is None else None
+        if given is not None and _fast_merge(LSE, partial_o, partial_lse, base, sinks,
+                                             split_counts, given, kv_split):
+            return given
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
                       indptr)
     if extras is not None or isinstance(partial_o, (list, tuple)):

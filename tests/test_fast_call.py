@@ -309,3 +309,19 @@ def test_the_binding_captures_into_a_cuda_graph(merge_kit, cuda_device):
         graph.replay()
         torch.cuda.synchronize()
         assert_merged(merge_kit, out, fresh_o, fresh_lse)
+
+
+def test_a_call_without_out_is_served_by_the_binding_too(merge_kit, device):
+    """The output the call allocates registers like a given one: later calls allocate
+    the same and are served by the binding, each a new tensor."""
+    partial_o, lse, _ = lse_call(merge_kit, device)
+    first = kvsplit.merge_lse(partial_o, lse)
+    for seed in range(2):
+        fresh = lse_call(merge_kit, device, seed=seed + 1)
+        partial_o.copy_(fresh[0])
+        lse.copy_(fresh[1])
+        before = hits()
+        out = kvsplit.merge_lse(partial_o, lse)
+        assert hits() == before + 1 and out is not first
+        sync(device)
+        assert_merged(merge_kit, out, partial_o, lse)

@@ -45,7 +45,7 @@ class NoWorkingCandidate(RuntimeError):
 
 
 # Pruning, from a sweep of every config over the benchmark grid on an H200
-# (docs/benchmarks.md): the best configs run about 64-128K threads in all,
+# (docs/history.md, "Pruning"): the best configs run about 64-128K threads in all,
 # give each group at least two partials, and use CTAs of 32-256 threads.
 _TARGET_THREADS = 65536
 
@@ -99,7 +99,7 @@ def dsplit_depths(per_group: int, one_warp: bool = False) -> set[int]:
     and 16-deep with 9-16; 8- and 16-deep past 16.
     Measured on the H200 once the 8- and 16-deep kernels got the registers to
     issue a whole round at once (merge_dsplit.cuh; every valid config at the
-    67 shapes of benchmarks/bench_dispatch.py, bf16 maxsum; docs/benchmarks.md):
+    67 shapes of benchmarks/bench_dispatch.py, bf16 maxsum; docs/history.md, "Pruning"):
     with at most 8 partials a group the 8-deep round (one round trip, 90-110
     registers) was as fast as or faster than the 4-deep one (64) wherever it
     mattered; with 9-16 each depth won somewhere (4-deep where many CTAs

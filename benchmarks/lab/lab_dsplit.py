@@ -16,7 +16,7 @@ product kernel cut out: the time a shape's merge spends in each stage is the
 difference between two of them. Needs torch and triton only: the package does
 not have to be installed.
 
-The leave-one-out runs of docs/kernel-notes.md (stages of the kernel left out
+The leave-one-out runs of docs/benchmarks.md ("What each miss is made of") (stages of the kernel left out
 by -D knobs of a copy of the kernel before flat rows and packed one-warp
 items) used benchmarks/lab/knobs at commit 4f65f3c.
 """

@@ -4,9 +4,11 @@
 # runtime linked statically, no benchmark kernels, no torch C++ dependency.
 #
 #   usage: packaging/build_wheel.sh [--check] [--out DIR] [--python PY]... [--no-isolation]
+#          packaging/build_wheel.sh --inspect WHEEL...
 #
 #   --check         configure only (seconds): nvcc knows every architecture and
 #                   the wheel's CMake configuration is valid; builds nothing
+#   --inspect       only the checks below, of wheels built before
 #   --out DIR       where the wheels go (default: dist/)
 #   --python PY     an interpreter to build for (repeatable). Default: inside
 #                   quay.io/pypa/manylinux_2_28_x86_64 (AUDITWHEEL_PLAT set)
@@ -37,14 +39,15 @@ cd "$(dirname "$0")/.."
 ARCHS=${CUDAARCHS:-"80-real;86-real;89-real;90a-real;100a-real;103a-real;120-real;120-virtual"}
 MAX_WHEEL_BYTES=$((100 * 1000 * 1000))
 
-check=0 isolation=1 out=dist pythons=()
+check=0 isolation=1 out=dist pythons=() inspect=()
 while [ $# -gt 0 ]; do
   case $1 in
     --check) check=1 ;;
+    --inspect) shift; inspect=("$@"); break ;;
     --out) out=$2; shift ;;
     --python) pythons+=("$2"); shift ;;
     --no-isolation) isolation=0 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "build_wheel.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -58,20 +61,23 @@ if [ ${#pythons[@]} -eq 0 ]; then
 fi
 
 NVCC=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-[ -x "$NVCC" ] || { echo "build_wheel.sh: no nvcc (set CUDACXX or put nvcc on PATH)" >&2; exit 1; }
-export CUDACXX=$NVCC
-echo "nvcc: $NVCC ($("$NVCC" --version | grep -o 'release [0-9.]*'))"
 echo "architectures: $ARCHS"
 
-# nvcc must know each architecture's base (sm_90 for 90a-real, compute_120 for 120-virtual).
-known="$("$NVCC" --list-gpu-code) $("$NVCC" --list-gpu-arch)"
-for arch in ${ARCHS//;/ }; do
-  number=${arch%%-*} kind=${arch#*-}
-  base=${number%[af]}
-  prefix=sm; [ "$kind" = virtual ] && prefix=compute
-  grep -qw "${prefix}_$base" <<< "$known" ||
-    { echo "build_wheel.sh: $NVCC cannot compile for $arch (needs CUDA 12.9 or later)" >&2; exit 1; }
-done
+check_nvcc() {  # nvcc must know each architecture's base (sm_90 for 90a-real, compute_120 for 120-virtual)
+  [ -x "$NVCC" ] || { echo "build_wheel.sh: no nvcc (set CUDACXX or put nvcc on PATH)" >&2; exit 1; }
+  export CUDACXX=$NVCC
+  echo "nvcc: $NVCC ($("$NVCC" --version | grep -o 'release [0-9.]*'))"
+  local known arch number kind base prefix
+  known="$("$NVCC" --list-gpu-code) $("$NVCC" --list-gpu-arch)"
+  for arch in ${ARCHS//;/ }; do
+    number=${arch%%-*} kind=${arch#*-}
+    base=${number%[af]}
+    prefix=sm; [ "$kind" = virtual ] && prefix=compute
+    grep -qw "${prefix}_$base" <<< "$known" ||
+      { echo "build_wheel.sh: $NVCC cannot compile for $arch (needs CUDA 12.9 or later)" >&2; exit 1; }
+  done
+}
+[ ${#inspect[@]} -gt 0 ] || check_nvcc
 
 # The wheel's CMake options: every CUDA architecture, the kernels required, no _bench.
 CMAKE_DEFINES=(
@@ -133,16 +139,18 @@ inspect_wheel() {
   for symbol in GLIBC GLIBCXX; do  # what sets the manylinux tag
     echo "newest $symbol symbol: $(objdump -T "$ext" | grep -oE "${symbol}_[0-9.]+" | sort -uV | tail -1)"
   done
-  local cuobjdump
+  local cuobjdump elf ptx
   if cuobjdump=$(find_tool cuobjdump); then
-    "$cuobjdump" --list-elf "$ext" | sed 's/^ELF file *[0-9]*: //' | grep -o 'sm_[0-9]*[af]*' | sort -V | uniq -c |
-      sed 's/^/  machine code: /'
-    "$cuobjdump" --list-ptx "$ext" | grep -o 'sm_[0-9]*[af]*' | sort -V | uniq -c | sed 's/^/  PTX: /'
+    elf=$("$cuobjdump" --list-elf "$ext") ptx=$("$cuobjdump" --list-ptx "$ext")
+    echo "machine code (translation units per architecture):" \
+      $(grep -o 'sm_[0-9]*[af]*' <<< "$elf" | sort -V | uniq -c | awk '{print $2 " x" $1}')
+    echo "PTX (translation units per architecture):" \
+      $(grep -o 'sm_[0-9]*[af]*' <<< "$ptx" | sort -V | uniq -c | awk '{print $2 " x" $1}')
     for arch in ${ARCHS//;/ }; do
       number=${arch%%-*}
       case $arch in
-        *-virtual) "$cuobjdump" --list-ptx "$ext" | grep -q "\.sm_${number}\.ptx" ;;
-        *) "$cuobjdump" --list-elf "$ext" | grep -q "\.sm_${number}\.cubin" ;;
+        *-virtual) grep -q "\.sm_${number}\.ptx" <<< "$ptx" ;;
+        *) grep -q "\.sm_${number}\.cubin" <<< "$elf" ;;
       esac || { echo "no code for $arch in _ext" >&2; return 1; }
     done
   else
@@ -150,6 +158,11 @@ inspect_wheel() {
   fi
   rm -rf "$dir"
 }
+
+if [ ${#inspect[@]} -gt 0 ]; then
+  for wheel in "${inspect[@]}"; do inspect_wheel "$wheel"; done
+  exit 0
+fi
 
 mkdir -p "$out"
 raw=$(mktemp -d)
@@ -176,8 +189,8 @@ for wheel in "$raw"/*.whl; do
   fi
 done
 for wheel in "$tagged"/*.whl; do
-  inspect_wheel "$wheel"
   mv "$wheel" "$out/"
   echo "wheel: $out/$(basename "$wheel")"
+  inspect_wheel "$out/$(basename "$wheel")"
 done
 rm -rf "$raw" "$tagged"

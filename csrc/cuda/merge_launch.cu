@@ -74,8 +74,12 @@ Status check_device(int device) {
   // Loading one kernel of this build asks the driver what a merge launch
   // would: whether the device has machine code or PTX it can compile.
   cudaFuncAttributes attributes;
-  const cudaError_t error = cudaFuncGetAttributes(&attributes, image_probe_kernel);
-  return error == cudaSuccess ? Status{} : fail(Error::kCuda, error);
+  cudaError_t error = cudaFuncGetAttributes(&attributes, image_probe_kernel);
+  if (error == cudaSuccess) return Status{};
+  cudaGetLastError();  // not sticky: leave no error behind for a later launch to report
+  // For a kernel of this build, an invalid function can only mean no code for the device.
+  if (error == cudaErrorInvalidDeviceFunction) error = cudaErrorNoKernelImageForDevice;
+  return fail(Error::kCuda, error);
 }
 
 }  // namespace kvsplit

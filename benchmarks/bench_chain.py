@@ -35,8 +35,10 @@ PAIRS = 16
 
 
 def produce(o, stats, pdl: bool, seed: int) -> None:
-    _native.ext().launch_producer(o.data_ptr(), o.numel(), stats.data_ptr(), stats.shape[0] * stats.shape[1],
-                                  seed, pdl, torch.cuda.current_stream().cuda_stream)
+    _native.bench().launch_producer(o.data_ptr(), o.numel(), stats.data_ptr(),
+                                    stats.shape[0] * stats.shape[1], seed,
+                                    pdl and _kernel.pdl_supported(o.device.index),
+                                    torch.cuda.current_stream().cuda_stream)
 
 
 def per_pair_us(o, stats, out, scale, config, pdl: bool) -> float:

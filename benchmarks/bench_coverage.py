@@ -76,7 +76,7 @@ def main() -> int:
     from kvsplit import _native
     from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
 
-    probe = _native.ext().launch_read_probe
+    probe = _native.bench().launch_read_probe
     spin_up_gpu()
     fp8 = torch.float8_e4m3fn
     outs = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": fp8}

@@ -50,7 +50,7 @@ def copy_bandwidth() -> float:
 
 
 def noop_launch_us() -> float:
-    noop = _native.ext().launch_noop
+    noop = _native.bench().launch_noop
     return time_cuda_graph(lambda i: noop(1, torch.cuda.current_stream().cuda_stream),
                            batch=64).median_us
 
@@ -77,10 +77,10 @@ def launch_config(o, stats, out, scale, config) -> None:
 
 
 def read_probe(o, stats, out) -> None:
-    _native.ext().launch_read_probe(o.data_ptr(), o.numel() * o.element_size(), stats.data_ptr(),
-                                    stats.numel() * 4, out.data_ptr(),
-                                    out.numel() * out.element_size(),
-                                    torch.cuda.current_stream().cuda_stream)
+    _native.bench().launch_read_probe(o.data_ptr(), o.numel() * o.element_size(),
+                                      stats.data_ptr(), stats.numel() * 4, out.data_ptr(),
+                                      out.numel() * out.element_size(),
+                                      torch.cuda.current_stream().cuda_stream)
 
 
 def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, bandwidth, noop_us, generator):

@@ -2,9 +2,13 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests bench tune tune-adapters tune-coverage demo suites, or NAME for
-#   benchmarks/NAME.py
+#   stages: build tests all-tests bench tune tune-adapters tune-coverage demo suites ptx80
+#   wheel-build wheel, or NAME for benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
+#   ptx80: a build whose only CUDA code is PTX for compute_80 (the driver compiles it for
+#   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
+#   Python into /tmp/kvsplit-dist. wheel: installs that wheel (or $KVSPLIT_WHEEL) into a
+#   fresh venv with pip --no-deps, no compiler on PATH, and runs the GPU tests and the demo.
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +81,55 @@ for stage in "${stages[@]}"; do
       # The engines' own merge tests against kvsplit.compat (carry .suites: see
       # ../shared/engine-suites/README.md for how to assemble it).
       OUT=$OUT bash .suites/run_suites.sh 2>&1 | tee -a "$LOG" ;;
+    ptx80)
+      # The proof without the other GPUs: no machine code at all, so every kernel this GPU
+      # runs is the driver's compilation of the compute_80 PTX (no sm_90 instructions).
+      export CUDA_CACHE_MAXSIZE=$((4 << 30))  # each kernel JIT-compiled once for the suite
+      CUDAARCHS=80-virtual python3 -m pip install -v --no-build-isolation --no-deps --upgrade \
+        --target /tmp/kv-ptx80 -C build-dir=build/ptx80 . > /tmp/kvsplit-ptx80.log 2>&1 ||
+        { tail -40 /tmp/kvsplit-ptx80.log | tee -a "$LOG"; status=1; continue; }
+      PYTHONPATH=/tmp/kv-ptx80:/tmp/site python3 -P -c "import kvsplit._ext as e; \
+assert e.cuda_architectures == '80-virtual', e.cuda_architectures; \
+print('ptx80 build', e.cuda_build_hash, e.cuda_architectures)" 2>&1 | tee -a "$LOG"
+      PYTHONPATH=/tmp/kv-ptx80:/tmp/site python3 -P -m pytest tests -m gpu -q -p no:cacheprovider \
+        2>&1 | tee -a "$LOG" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    wheel-build)
+      # The binary wheel for this machine's Python, every architecture (auditwheel is not
+      # there: the wheel keeps the linux_x86_64 tag, which pip installs locally).
+      start=$(date +%s)
+      packaging/build_wheel.sh --no-isolation --out /tmp/kvsplit-dist > /tmp/kvsplit-wheel.log 2>&1 ||
+        { tail -40 /tmp/kvsplit-wheel.log | tee -a "$LOG"; status=1; continue; }
+      grep -E "^(nvcc|architectures|built in|---|NEEDED|newest|  machine code|  PTX|wheel:)" \
+        /tmp/kvsplit-wheel.log | tee -a "$LOG"
+      echo "wheel-build: $(($(date +%s) - start)) s on $(nproc) cores" | tee -a "$LOG" ;;
+    wheel)
+      # What a user gets: the wheel in a fresh venv (this machine's torch through a .pth file),
+      # pip --no-deps --no-index --only-binary, no nvcc on PATH; then info, the GPU tests and
+      # the demo from it, never from the source tree.
+      wheel=${KVSPLIT_WHEEL:-$(ls /tmp/kvsplit-dist/kvsplit-*.whl 2>/dev/null | head -1)}
+      [ -n "$wheel" ] || { echo "wheel: no wheel (run wheel-build, or set KVSPLIT_WHEEL)" |
+        tee -a "$LOG"; status=1; continue; }
+      venv=/tmp/kvsplit-wheel-venv host_python=$(command -v python3)
+      rm -rf "$venv"
+      python3 -m venv --without-pip "$venv" || { status=1; continue; }
+      site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+      python3 -c "import site; print('\n'.join(site.getsitepackages()))" > "$site/base-site.pth"
+      (
+        export PATH=$venv/bin:/usr/bin:/bin PYTHONPATH=/tmp/site
+        unset CUDACXX CUDA_HOME
+        echo "--- $(basename "$wheel") into $venv; nvcc on PATH: $(command -v nvcc || echo none)"
+        "$host_python" -m pip install -q --no-deps --no-index --only-binary=:all: --target "$site" \
+          "$wheel" || exit 1
+        python -P -c "import kvsplit, kvsplit._ext as e; \
+assert kvsplit.__file__.startswith('$venv'), kvsplit.__file__; \
+print('from the wheel:', kvsplit.__file__, e.cuda_architectures)" || exit 1
+        python -P -m kvsplit info || exit 1
+        python -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tail -25
+        [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+        KVSPLIT_DB=sqlite:////tmp/kvsplit-wheel-demo.sqlite python -P -m kvsplit demo
+      ) 2>&1 | tee -a "$LOG"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
       python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

@@ -275,24 +275,23 @@ PYBIND11_MODULE(_ext, m) {
     m.add_object(def.ml_name,
                  py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
   }
+  // -- the CUDA runtime and this machine ------------------------------------------------
 #if defined(KVSPLIT_WITH_CUDA)
-  m.def("launch_noop", [](int grid, uintptr_t stream) {
-    raise_for(kvsplit::launch_noop(grid, as_pointer<void>(stream)));
-  });
-  m.def("launch_read_probe",
-        [](uintptr_t partial_o, int64_t o_bytes, uintptr_t stats, int64_t stats_bytes,
-           uintptr_t out, int64_t out_bytes, uintptr_t stream) {
-          raise_for(kvsplit::launch_read_probe(as_pointer<const void>(partial_o), o_bytes,
-                                               as_pointer<const void>(stats), stats_bytes,
-                                               as_pointer<void>(out), out_bytes,
-                                               as_pointer<void>(stream)));
-        });
-  m.def("launch_producer",
-        [](uintptr_t partial_o, int64_t o_elems, uintptr_t stats, int64_t num_stats, int seed,
-           bool pdl, uintptr_t stream) {
-          raise_for(kvsplit::launch_producer(as_pointer<void>(partial_o), o_elems,
-                                             as_pointer<float>(stats), num_stats, seed, pdl,
-                                             as_pointer<void>(stream)));
-        });
+  m.attr("no_cuda_kernels") = "";
+  m.attr("cuda_runtime_version") = kvsplit::cuda_runtime_version();
+  m.attr("cuda_min_driver") = kvsplit::cuda_min_driver();
+  m.def("cuda_driver_version", &kvsplit::cuda_driver_version,
+        "The driver's CUDA version (1000 * major + 10 * minor; 0: no driver found)");
+  m.def(
+      "check_device", [](int device) { raise_for(kvsplit::check_device(device), device); },
+      "Raises RuntimeError (cause and remedy) unless this build's kernels run on `device`",
+      py::arg("device"));
+  m.def(
+      "cuda_error_message", [](int error) { return kvsplit::cuda_error_string(error); },
+      "The text a CUDA error code raises with", py::arg("error"));
+#else
+  m.attr("no_cuda_kernels") = kvsplit::binding::kNoCudaKernels;
+  m.attr("cuda_runtime_version") = 0;
+  m.attr("cuda_min_driver") = 0;
 #endif
 }

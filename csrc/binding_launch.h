@@ -49,16 +49,24 @@ inline const std::map<Error, std::pair<const char*, const char*>>& error_names()
   return names;
 }
 
-// Throws the Python exception (through pybind11) of a failed Status.
-inline void raise_for(const Status& status) {
+#if !defined(KVSPLIT_WITH_CUDA)
+// Why a CUDA merge cannot run on this build, and what to do about it.
+inline constexpr const char* kNoCudaKernels =
+    "this kvsplit build has no CUDA kernels (" KVSPLIT_NO_CUDA_REASON "): install kvsplit's "
+    "binary wheel, or install the CUDA toolkit (nvcc) and rebuild kvsplit from source";
+#endif
+
+// Throws the Python exception (through pybind11) of a failed Status; `device`
+// names the GPU of a CUDA error (-1: the current one).
+inline void raise_for(const Status& status, int device = -1) {
   if (status.ok()) return;
-  if (status.error == Error::kDevice) {
-    throw std::runtime_error("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)");
-  }
 #if defined(KVSPLIT_WITH_CUDA)
   if (status.error == Error::kCuda) {
-    throw std::runtime_error("kvsplit: CUDA launch failed: " + cuda_error_string(status.detail));
+    throw std::runtime_error("kvsplit: CUDA error: " +
+                             cuda_error_string(status.detail, device));
   }
+#else
+  if (status.error == Error::kDevice) throw std::runtime_error(kNoCudaKernels);
 #endif
   throw py::value_error(std::string("kvsplit: unsupported ") + error_names().at(status.error).second +
                         " = " + std::to_string(status.detail));

@@ -15,7 +15,7 @@ import math
 import torch
 
 from . import _native
-from .config import DTYPE_CODES, KernelConfig
+from .config import DTYPE_CODES, NO_CUDA_KERNELS, KernelConfig, has_cuda_kernels
 
 _ext = _native.ext()
 #: torch dtype -> the kernel layer's code.
@@ -55,6 +55,30 @@ current_stream = (torch._C._cuda_getCurrentRawStream if torch.cuda.is_available(
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+#: The CUDA devices that check_device passed.
+_RUNNABLE: set[int] = set()
+
+
+def check_device(device_index: int) -> None:
+    """Raises RuntimeError, naming the cause and the remedy, unless this build's kernels run
+    on CUDA device ``device_index``: a build without CUDA kernels, a driver older than the
+    build's CUDA runtime, or no machine code or PTX for the device. Checked once per device."""
+    if device_index in _RUNNABLE:
+        return
+    if not has_cuda_kernels():
+        raise RuntimeError(NO_CUDA_KERNELS)
+    _ext.check_device(device_index)
+    _RUNNABLE.add(device_index)
+
+
+@functools.cache
+def pdl_supported(device_index: int) -> bool:
+    """Whether the device has programmatic dependent launch (compute capability 9.0 and
+    later); on older ones a requested PDL is dropped (the kernels' griddepcontrol is
+    compiled for sm_90 and later only)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -140,7 +164,7 @@ class Plan:
         self.is_cuda = device.type == "cuda"
         self.device_index = device.index if self.is_cuda else -1
         if self.is_cuda:
-            target.device, target.pdl = device.index, pdl
+            target.device, target.pdl = device.index, pdl and pdl_supported(device.index)
             target.sm_count = sm_count or _sm_count(device.index)
         self.config = config
         self.native = _ext.Launch(params, config.native(), target)

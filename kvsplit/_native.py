@@ -1,4 +1,4 @@
-"""Loads the compiled module once and says clearly when it is missing."""
+"""Loads the compiled modules once and says clearly when one is missing."""
 
 from __future__ import annotations
 
@@ -17,3 +17,16 @@ def ext() -> ModuleType:
         ) from error
     return _ext
 
+
+@functools.cache
+def bench() -> ModuleType:
+    """kvsplit._bench, the benchmarks' reference kernels (csrc/cuda/probe.cu)."""
+    try:
+        from . import _bench
+    except ImportError as error:
+        raise ImportError(
+            "kvsplit._bench, the benchmarks' reference kernels, is not in this build: "
+            "wheels leave it out; build from source with nvcc and "
+            "-C cmake.define.KVSPLIT_BENCH_KERNELS=ON (the default)"
+        ) from error
+    return _bench

@@ -103,6 +103,11 @@ def has_cuda_kernels() -> bool:
     return bool(_ext.cuda_build_hash)
 
 
+#: What a merge of CUDA tensors raises on a build without CUDA kernels: the cause and the
+#: remedy ("" on a build with them).
+NO_CUDA_KERNELS: str = _ext.no_cuda_kernels
+
+
 def check_params(family: str, params: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` naming the problem unless ``params`` are exactly ``family``'s, each legal."""
     if family not in FAMILIES:

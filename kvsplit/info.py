@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from . import __version__, _native
-from .config import build_hash, has_cuda_kernels
+from .config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
 
 
 def _database(url: str | None) -> tuple[str, bool]:
@@ -22,6 +22,25 @@ def _database(url: str | None) -> tuple[str, bool]:
     except StoreError as error:
         return f"problem: {error}", True
     return f"ok, {results} tuning results", False
+
+
+def _version(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cuda_runtime(ext) -> dict[str, str]:
+    """The CUDA runtime linked into the kernels and the driver it needs."""
+    runtime, driver = ext.cuda_runtime_version, ext.cuda_driver_version()
+    facts = {"cuda runtime": f"{_version(runtime)} (linked statically; needs NVIDIA driver "
+                             f"{ext.cuda_min_driver} or newer)"}
+    if driver == 0:
+        facts["cuda driver"] = "none found"
+    elif driver // 1000 < runtime // 1000:
+        facts["cuda driver"] = (f"CUDA {_version(driver)}: too old for this build's runtime; "
+                                f"update the NVIDIA driver to {ext.cuda_min_driver} or newer")
+    else:
+        facts["cuda driver"] = f"CUDA {_version(driver)}"
+    return facts
 
 
 def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
@@ -41,17 +60,26 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
         "build hash": build_hash(on_gpu),
         "cpu build hash": ext.cpu_build_hash,
         "cuda build hash": ext.cuda_build_hash or "-",
-        "cuda kernels": "yes" if has_cuda_kernels() else "no (CPU implementation only)",
+        "cuda kernels": "yes" if has_cuda_kernels() else f"no — {NO_CUDA_KERNELS}",
         "compiled architectures": ext.cuda_architectures or "-",
         "torch": torch.__version__,
         # Calls of a known layout with `out` given launch from the binding (csrc/fast_call.cpp).
         "per-call path": ("binding (torch's DLPack exchange table)" if _kernel.FAST_CALL
                           else "Python (this torch has no DLPack exchange table)"),
     }
+    if has_cuda_kernels():
+        facts.update(_cuda_runtime(ext))
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
         facts["device"] = (f"{props.name} (sm_{props.major}{props.minor}, "
                            f"{props.multi_processor_count} SMs)")
+        if has_cuda_kernels():
+            try:
+                _kernel.check_device(index)
+                facts["kernels on this device"] = "yes"
+            except RuntimeError as error:
+                facts["kernels on this device"] = f"no — {error}"
     else:
         facts["device"] = "cpu (no CUDA device visible)"
     from .db import resolve_url
@@ -71,6 +99,8 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
             facts[name] = f"invalid: {error}"
             exit_code = 2
     facts["pdl"] = "on" if environ.get("KVSPLIT_PDL") == "1" else "off"
+    if facts["pdl"] == "on" and on_gpu and not _kernel.pdl_supported(torch.cuda.current_device()):
+        facts["pdl"] = "requested, but off on this GPU (compute capability 9.0 and later only)"
     try:
         interval = refresh_interval()
         facts["refresh"] = f"every {interval:g} s and on a miss" if interval else "off"

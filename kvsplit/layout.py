@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _kernel
-from .config import (DTYPE_PAIRS, FP8_DTYPES, QUANT_GROUPS, STATS_FORMAT_CODES, has_cuda_kernels,
-                     head_dim_rule, head_dim_supported)
+from .config import (DTYPE_PAIRS, FP8_DTYPES, NO_CUDA_KERNELS, QUANT_GROUPS, STATS_FORMAT_CODES,
+                     has_cuda_kernels, head_dim_rule, head_dim_supported)
 from .dispatch import dispatcher as _dispatch
 from .dispatch.constraints import group_quant_config, in_place_config
 from .dispatch.device import device_facts
@@ -166,7 +166,7 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
         if kv_split not in _KV_SPLITS:
             raise ValueError(f"kv_split must be one of {_KV_SPLITS} or None, got {kv_split}")
     if device.type == "cuda" and not has_cuda_kernels():
-        raise RuntimeError("this kvsplit build has no CUDA kernels (no CUDA compiler at build time)")
+        raise RuntimeError(NO_CUDA_KERNELS)
     return out_dtype
 
 
@@ -281,6 +281,8 @@ class _LayoutPlan:
                               row_dims=row_dims, out_dtype=out_dtype)
         if kv_split is not None:
             kv_split = int(kv_split)  # numpy and other Integral scalars, validated above
+        if partial_o.device.type == "cuda":  # the driver and the build fit this GPU
+            _kernel.check_device(partial_o.device.index)
         num_splits, *row_list, head_dim = partial_o.shape
         row_shape = tuple(row_list)
         rows = math.prod(row_shape)

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 import kvsplit as library
 from kvsplit import _kernel
-from kvsplit.config import build_hash, has_cuda_kernels
+from kvsplit.config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
 from kvsplit.autotune import tuner
 from kvsplit.cli import main
 from kvsplit.db import DeviceInfo, open_store
@@ -94,8 +94,16 @@ def test_info_json(env):
     facts = json.loads(result.stdout)
     assert facts["build hash"] == build_hash(False)
     assert expected_device() in facts["device"]
-    assert facts["cuda kernels"] in ("yes", "no (CPU implementation only)")
     assert facts["cuda kernels"].startswith("yes") == has_cuda_kernels()
+    if has_cuda_kernels():
+        # The runtime linked into the kernels and the driver it needs; what this machine has.
+        assert re.fullmatch(r"\d+\.\d \(linked statically; needs NVIDIA driver \d+ or newer\)",
+                            facts["cuda runtime"])
+        assert facts["cuda driver"] == "none found" or facts["cuda driver"].startswith("CUDA ")
+    else:
+        # The cause and the remedy.
+        assert facts["cuda kernels"] == f"no — {NO_CUDA_KERNELS}"
+        assert "binary wheel" in facts["cuda kernels"] and "nvcc" in facts["cuda kernels"]
     assert facts["per-call path"].startswith("binding") == _kernel.FAST_CALL
 
 

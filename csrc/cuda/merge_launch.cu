@@ -1,7 +1,7 @@
 // Maps the runtime stats format, partial dtype and family to the typed launchers,
 // which are instantiated one (partial dtype, stats format) per file (see
 // CMakeLists.txt) so that they compile in parallel, and launches on the
-// tensors' device.
+// tensors' device; checks that a device can run this build.
 #include <cuda_runtime.h>
 
 #include "kvsplit/dispatch.h"
@@ -17,6 +17,9 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
                            cudaStream_t stream);
 
 namespace {
+
+// Compiled with the merge kernels' architectures: check_device loads it.
+__global__ void image_probe_kernel() {}
 
 // Makes `device` current for one launch and restores the caller's device.
 class DeviceGuard {
@@ -65,9 +68,18 @@ Status merge_cuda(const MergeParams& call, const KernelConfig& config, const Cud
   return status;
 }
 
-std::string cuda_error_string(int64_t error) {
-  const auto value = static_cast<cudaError_t>(error);
-  return std::string(cudaGetErrorName(value)) + ": " + cudaGetErrorString(value);
+Status check_device(int device) {
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return fail(Error::kCuda, guard.error());
+  // Loading one kernel of this build asks the driver what a merge launch
+  // would: whether the device has machine code or PTX it can compile.
+  cudaFuncAttributes attributes;
+  cudaError_t error = cudaFuncGetAttributes(&attributes, image_probe_kernel);
+  if (error == cudaSuccess) return Status{};
+  cudaGetLastError();  // not sticky: leave no error behind for a later launch to report
+  // For a kernel of this build, an invalid function can only mean no code for the device.
+  if (error == cudaErrorInvalidDeviceFunction) error = cudaErrorNoKernelImageForDevice;
+  return fail(Error::kCuda, error);
 }
 
 }  // namespace kvsplit

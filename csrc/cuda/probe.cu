@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "kvsplit/device_common.cuh"
-#include "kvsplit/launch.h"
+#include "kvsplit/probe.h"
 
 namespace kvsplit {
 namespace {

@@ -393,6 +393,35 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
     assert pending._keys == set()
 
 
+# -- a GPU that no shipped table covers -------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["auto", "cached"])
+def test_a_gpu_without_a_shipped_table_profiles_in_auto_and_takes_the_heuristic_in_cached(
+        monkeypatch, tuner_calls, mode):
+    """An A100 (simulated; the profile runs on the CPU): the package ships tables for the H200
+    only, so ``auto`` profiles the key at first use and ``cached`` never profiles."""
+    a100 = DeviceFacts("NVIDIA A100-SXM4-80GB", 8, 0, 108, True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nothing is capturing
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
+    assert dispatch_module._shipped_table(a100) == {}
+    the_dispatcher = dispatch_module.dispatcher
+    shape = (64, torch.bfloat16, torch.bfloat16, 0, 24, 48)
+    chosen = the_dispatcher.choose(a100, torch.device("cpu"), *shape, None)
+    decision = the_dispatcher.explain(a100, *shape)
+    if mode == "auto":
+        assert decision.source == "tuned" and len(tuner_calls.keys) == 1
+        assert tuner_calls.keys[0].device == DeviceInfo(name=a100.name, cc_major=8, cc_minor=0,
+                                                        sm_count=108)
+    else:
+        heuristic_k = constrain(spec_heuristic(24), head_dim=64, elem_bytes=2, rows=48,
+                                num_splits=24, sm_count=108)
+        assert decision.source == "heuristic" and tuner_calls.keys == []
+        assert chosen == kvsplit_config(heuristic_k)
+    # The next call of the shape is a dictionary hit: no second profile.
+    assert the_dispatcher.choose(a100, torch.device("cpu"), *shape, None) == chosen
+    assert len(tuner_calls.keys) == (1 if mode == "auto" else 0)
+
+
 def test_each_database_url_has_its_own_choices(monkeypatch, call, tuner_calls, isolated, tmp_path):
     call(num_splits=16, rows=8)
     assert len(tuner_calls.keys) == 1

@@ -19,17 +19,21 @@ Status merge_cpu(const MergeParams& params, const KernelConfig& config);
 Status merge_cuda(const MergeParams& params, const KernelConfig& config, const CudaTarget& target);
 
 #if defined(KVSPLIT_WITH_CUDA)
-std::string cuda_error_string(int64_t error);
-// An empty kernel of `grid` CTAs: the launch cost that bounds every merge from below.
-Status launch_noop(int grid, void* stream);
-// Reads every byte of the partials and stats once and writes every output
-// byte: the time no merge can beat.
-Status launch_read_probe(const void* partial_o, int64_t o_bytes, const void* stats,
-                         int64_t stats_bytes, void* out, int64_t out_bytes, void* stream);
-// Writes bf16 partials (values in [-1, 1)) and maxsum stats, like the
-// attention kernel before a merge, for chained (PDL) benchmarks.
-Status launch_producer(void* partial_o, int64_t o_elems, float* stats, int64_t num_stats,
-                       int seed, bool pdl, void* stream);
+// A CUDA error's name and description and, for the errors of an install that
+// does not fit the machine (driver too old, no code for the GPU), their cause
+// and remedy (runtime.cu). `device`: the GPU the error came from (-1: the
+// current one).
+std::string cuda_error_string(int64_t error, int device = -1);
+// The statically linked CUDA runtime's version (1000 * major + 10 * minor)
+// and the driver's (0: no driver found).
+int cuda_runtime_version();
+int cuda_driver_version();
+// The oldest Linux driver branch that the runtime's major version runs on.
+int cuda_min_driver();
+// Whether this build's kernels run on `device`: the runtime starts (the
+// driver is recent enough) and the device has machine code or PTX it can take
+// (merge_launch.cu).
+Status check_device(int device);
 #endif
 
 }  // namespace kvsplit

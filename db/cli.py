@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 import click
 
 from ..clikit import EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option, db_url
+from ..terminal import printable
 from .claims import Claims
 from .connect import open_store, open_store_for_repair
 from .errors import InvalidExportError
@@ -193,7 +194,7 @@ def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
         out_path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(f"exported {len(export.records)} tuning results to {out_path}", err=True)
+    click.echo(f"exported {len(export.records)} tuning results to {printable(out_path)}", err=True)
 
 
 @db.command("import")
@@ -391,4 +392,4 @@ def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
     except OSError as exc:
         raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
     more = f" (first {MAX_GROUPS} groups only; use filters)" if groups == MAX_GROUPS else ""
-    click.echo(f"wrote {out_path}: {groups} groups, {len(records)} results{more}", err=True)
+    click.echo(f"wrote {printable(out_path)}: {groups} groups, {len(records)} results{more}", err=True)

@@ -17,6 +17,7 @@ import click
 
 from .db.errors import DbWarning, InvalidExportError, StoreError
 from .dispatch import InvalidSetting
+from .files import InputRefused
 from .terminal import printable, printable_lines
 
 EXIT_NOT_FOUND = 1
@@ -117,9 +118,9 @@ def mapped(exc: Exception) -> click.ClickException:
     if isinstance(exc, StoreError):
         return DatabaseProblem(str(exc))
     if isinstance(exc, InvalidExportError):
-        lines = "\n".join(f"  {printable(p)}" for p in exc.problems)
+        lines = "\n".join(f"  {printable(p)}" for p in exc.report())
         return InvalidInput(f"invalid tuning export, nothing was written:\n{lines}")
-    if isinstance(exc, InvalidSetting):
+    if isinstance(exc, (InvalidSetting, InputRefused)):
         return InvalidInput(str(exc))
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return InternalError(

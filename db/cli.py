@@ -200,7 +200,7 @@ def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
 def _read_export(file: str) -> bytes:
     # Bytes, never a str: parse_export would take a non-JSON str for a path.
     try:
-        return read_export_file(file, click.get_binary_stream("stdin"))
+        return read_export_file(file, click.open_file("-", "rb") if file == "-" else None)
     except OSError as exc:
         raise InvalidInput(f"cannot read {file}: {exc.strerror or exc}") from None
 

@@ -68,8 +68,9 @@ def load() -> list:
     """
     keys, skipped = _read()
     if skipped:
-        warnings.warn(f"the pending-keys file {path()}: skipped {skipped} lines that are not tuning keys "
-                      f"(clearing the tuned keys drops them)", stacklevel=2)
+        lines = "1 line that is not a tuning key" if skipped == 1 else f"{skipped} lines that are not tuning keys"
+        warnings.warn(f"the pending-keys file {path()}: skipped {lines} (clearing the tuned keys drops them)",
+                      stacklevel=2)
     return keys
 
 

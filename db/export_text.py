@@ -4,11 +4,11 @@ Validating a whole export in one pydantic call holds every error of every
 record at once (2 MiB of bad records took 1.5 GB), and json and pydantic both
 take the last of two equal keys without a word.  So the text is walked here:
 the top-level object member by member, the ``records`` array element by
-element.  Each element's extent is found by its brackets first, without
-building anything, so that no value larger than :data:`VALUE_LIMIT` is ever
-parsed; then json checks its syntax and its keys (building ``None`` for every
-object and number, not a tree), and the element's text goes to pydantic on
-its own.  Memory is the text plus the valid records, whatever the file holds.
+element.  json checks each element's syntax and keys (building ``None`` for
+every object and number, not a tree) in a window of the text no larger than
+:data:`VALUE_LIMIT`, so that no larger value is ever parsed, and the
+element's text then goes to pydantic on its own.  Memory is the text plus
+the valid records, whatever the file holds.
 
 Locations are pydantic's: ``("records", 3, "key", "device")``, ``("format",)``,
 or ``()`` for the file as a whole.
@@ -27,8 +27,9 @@ VALUE_LIMIT = 256 * 1024
 Report = Callable[[tuple, str], None]
 
 _SPACE = re.compile(r"[ \t\n\r]*")
-# A JSON string (escapes included) or a bracket: enough to find where a value ends.
-_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[][{}]', re.S)
+# A JSON string (escapes included), and what to look at to find where a value ends.
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SPECIAL = re.compile(r'["\[\]{}]')
 _SCALAR = re.compile(r"[^,\]}\s]*")
 
 
@@ -42,21 +43,25 @@ def _nothing(_literal: str) -> None:
 
 def _object(pairs: list[tuple[str, object]]) -> _Duplicates | None:
     found = _Duplicates()
-    seen: set[str] = set()
+    if len({name for name, _ in pairs}) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                found.append((name,))
+            seen.add(name)
     for name, value in pairs:
-        if name in seen:
-            found.append((name,))
-        seen.add(name)
-        found.extend((name, *path) for path in _inside(value))
+        if type(value) is list or type(value) is _Duplicates:  # anything else is clean
+            found.extend((name, *path) for path in _inside(value))
     return found or None
 
 
 def _inside(value: object) -> Iterator[tuple]:
-    if isinstance(value, _Duplicates):
-        yield from value
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from ((index, *path) for path in _inside(item))
+    if type(value) is _Duplicates:
+        yield from value  # type: ignore[misc]
+    elif type(value) is list:
+        for index, item in enumerate(value):  # type: ignore[arg-type]
+            if type(item) is list or type(item) is _Duplicates:
+                yield from ((index, *path) for path in _inside(item))
 
 
 # Syntax and duplicate keys only: objects become None (or their duplicates), numbers None.
@@ -90,6 +95,7 @@ class ExportText:
         self.header: dict[str, str] = {}
         self.has_records = False
         self.count = 0
+        self._window = 4096  # characters of text parsed for the next value (see _parse)
 
     def records(self) -> Iterator[tuple[int, str]]:
         try:
@@ -167,40 +173,76 @@ class ExportText:
     def _value(self, i: int, loc: tuple) -> tuple[int, bool]:
         """Check the value at ``i``: where it ends, and whether it passed (else it was reported:
         too large, or holding a key twice)."""
-        text = self.text
-        end = self._extent(i)
-        if end - i > VALUE_LIMIT:
+        parsed = self._parse(i)
+        if parsed is None:
             self.report(loc, f"larger than {VALUE_LIMIT // 1024} KiB of JSON (a tuning record is a few KiB)")
-            return end, False
-        try:
-            value, stop = _CHECKER.raw_decode(text[i:end])
-        except json.JSONDecodeError as error:
-            raise json.JSONDecodeError(error.msg, text, i + error.pos) from None
-        if stop != end - i:
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, i + stop)
+            return self._extent(i), False
+        value, end = parsed
         duplicates = list(_inside(value))
         for where, message in duplicate_problems(loc, duplicates):
             self.report(where, message)
         return end, not duplicates
 
+    def _parse(self, i: int) -> tuple[object, int] | None:
+        """The checked value at ``i`` and its end; ``None`` when it is over :data:`VALUE_LIMIT`.
+
+        An object or array is parsed in a window of the text twice the size of
+        the last one, grown until the value fits (json stops at its end), so
+        that nothing larger than the limit is ever parsed and no character is
+        scanned in Python on the way; only a value that does not fit in the
+        largest window has its extent found by :meth:`_extent`."""
+        text = self.text
+        if text.startswith(("[", "{"), i):
+            window = self._window
+            while True:
+                stop = min(len(text), i + window)
+                try:
+                    value, used = _CHECKER.raw_decode(text[i:stop])
+                except json.JSONDecodeError as error:
+                    if stop == len(text):
+                        raise json.JSONDecodeError(error.msg, text, i + error.pos) from None
+                    if window > VALUE_LIMIT:
+                        break
+                    window = min(2 * window, VALUE_LIMIT + 1)
+                    continue
+                self._window = min(2 * used + 64, VALUE_LIMIT + 1)
+                return value, i + used
+        end = self._extent(i)
+        if end - i > VALUE_LIMIT:
+            return None
+        try:
+            value, used = _CHECKER.raw_decode(text[i:end])
+        except json.JSONDecodeError as error:
+            raise json.JSONDecodeError(error.msg, text, i + error.pos) from None
+        if used != end - i:
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, i + used)
+        return value, end
+
     def _extent(self, i: int) -> int:
         """Where the value at ``i`` ends, by its brackets and strings (nothing is built).
 
-        A scalar, or brackets that never close, end at the next delimiter, or
-        at the end of the text: json then reports the syntax error."""
+        A scalar ends at the next delimiter; brackets that never close, or a
+        string that never ends, at the end of the text (json then reports the
+        syntax error).  Each character is looked at once: a string that does
+        not end stops the scan instead of being searched again from each of
+        its quotes."""
         text = self.text
+        if text.startswith('"', i):
+            string = _STRING.match(text, i)
+            return string.end() if string else len(text)
         if not text.startswith(("[", "{"), i):
-            if text.startswith('"', i):
-                match = _TOKEN.match(text, i)
-                return match.end() if match else len(text)
             return _SCALAR.match(text, i).end()  # type: ignore[union-attr]
         depth = 0
-        for match in _TOKEN.finditer(text, i):
-            opening = match.group()[0]
-            if opening in "[{":
-                depth += 1
-            elif opening in "]}":
-                depth -= 1
-                if depth == 0:
-                    return match.end()
+        while (found := _SPECIAL.search(text, i)) is not None:
+            char = found.group()
+            if char == '"':
+                string = _STRING.match(text, found.start())
+                if string is None:
+                    break
+                i = string.end()
+                continue
+            i = found.end()
+            depth += 1 if char in "[{" else -1
+            if depth == 0:
+                return i
         return len(text)

@@ -197,6 +197,16 @@ def test_a_record_over_the_value_limit_is_not_parsed(monkeypatch):
     assert info.value.problems == ["record 0: larger than 256 KiB of JSON (a tuning record is a few KiB)"]
 
 
+def test_an_unterminated_string_is_scanned_once():
+    # Searching each of its 4 million quotes again for a string end was quadratic: hours, not a second.
+    code = ("from kvsplit.db import InvalidExportError, parse_export\n"
+            "try:\n    parse_export('{\"records\": [{\"a\": \"' + '\\\\\"' * 4_000_000)\n"
+            "except InvalidExportError as error:\n    print(error.problems)\n")
+    problems = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120,
+                              check=True).stdout
+    assert "record 0: larger than 256 KiB" in problems and "invalid JSON" in problems
+
+
 def test_nesting_too_deep_is_invalid_json():
     with pytest.raises(InvalidExportError, match="nested too deeply"):
         parse_export('{"records": [' + "[" * 100_000 + "]" * 100_000 + "]}")

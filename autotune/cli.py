@@ -13,10 +13,12 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .. import installed
 from ..clikit import DatabaseProblem, db_option
 from ..clikit import db_url as given_db_url
+from ..terminal import text
 
 _OUT_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "bfloat16"}
 
@@ -362,12 +364,12 @@ def _summarize(outcomes, elapsed: float, as_json: bool, console: Console,
     for name in ("keys", "tuned", "skipped", "failed", "seconds", "ms_per_tuned_key"):
         value = summary[name]
         table.add_row(name, "-" if value is None else str(value))
-    table.add_row("winners", ", ".join(f"{w}: {n}" for w, n in sorted(winners.items())) or "-")
+    table.add_row("winners", text(", ".join(f"{w}: {n}" for w, n in sorted(winners.items())) or "-"))
     table.add_row("speed-up over K=1 (geomean)", f"{geomean:.2f}x" if geomean else "-")
     if taken_over:
         table.add_row("taken over (lease ran out)", str(len(taken_over)))
     Console().print(table)
     for failure in summary["failures"]:
-        # One line per key, unwrapped, the error as it is (no markup in it).
-        console.print(f"[red]failed[/red] {_key_text(failure['key'])}: ", end="", soft_wrap=True)
-        console.print(failure["error"], markup=False, highlight=False, soft_wrap=True)
+        # One line per key, unwrapped; the key (from a pending file) and the error are data.
+        console.print(Text.assemble(("failed", "red"), " ", text(f"{_key_text(failure['key'])}: {failure['error']}")),
+                      soft_wrap=True)

@@ -9,11 +9,12 @@ import re
 import typing
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import click
 
 from ..clikit import EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option, db_url
+from ..terminal import printable
 from .claims import Claims
 from .connect import open_store, open_store_for_repair
 from .errors import InvalidExportError
@@ -30,7 +31,7 @@ from .render import (
     to_json,
 )
 from .store import Store
-from .transfer import dump_export, parse_export
+from .transfer import dump_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 
@@ -193,11 +194,19 @@ def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
         out_path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(f"exported {len(export.records)} tuning results to {out_path}", err=True)
+    click.echo(f"exported {len(export.records)} tuning results to {printable(out_path)}", err=True)
+
+
+def _read_export(file: str) -> bytes:
+    # Bytes, never a str: parse_export would take a non-JSON str for a path.
+    try:
+        return read_export_file(file, click.open_file("-", "rb") if file == "-" else None)
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {file}: {exc.strerror or exc}") from None
 
 
 @db.command("import")
-@click.argument("file", type=click.File("rb"))
+@click.argument("file", type=click.Path(allow_dash=True, path_type=str))
 @click.option(
     "--rule",
     type=click.Choice(["newer", "replace", "keep"]),
@@ -213,23 +222,20 @@ def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
 @db_option
 @click.pass_context
 def import_(
-    ctx: click.Context, file: BinaryIO, rule: str, replace: bool, keep: bool, dry_run: bool, as_json: bool
+    ctx: click.Context, file: str, rule: str, replace: bool, keep: bool, dry_run: bool, as_json: bool
 ) -> None:
     """Merge a JSON export (FILE, or - for stdin) into the database, all or nothing.
 
-    The whole file is validated first; any problem (unknown field, unknown
-    config, bad times, missing key, a head dim the installed kernels do not
-    support) is listed and nothing is written. Creates the database if needed.
+    The whole file is validated first; any problem (not UTF-8, a key twice,
+    unknown field, unknown config, bad times, missing key, a head dim the
+    installed kernels do not support) is listed, the first five and a count
+    of the rest, and nothing is written. FILE must be a regular file (or a
+    symlink to one) of at most 64 MiB. Creates the database if needed.
     """
     if replace and keep:
         raise click.UsageError("--replace and --keep exclude each other")
     rule = "replace" if replace else "keep" if keep else rule
-    try:
-        # Bytes, never a str: parse_export would take a non-JSON str for a path.
-        source = file.read()
-    except OSError as exc:
-        raise InvalidInput(f"cannot read {file.name}: {exc.strerror or exc}") from None
-    export = parse_export(source)
+    export = parse_export(_read_export(file))  # no reference left to the bytes: parsing frees them
     from ..installed import head_dim_rule, head_dim_supported
 
     unsupported = [
@@ -391,4 +397,4 @@ def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
     except OSError as exc:
         raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
     more = f" (first {MAX_GROUPS} groups only; use filters)" if groups == MAX_GROUPS else ""
-    click.echo(f"wrote {out_path}: {groups} groups, {len(records)} results{more}", err=True)
+    click.echo(f"wrote {printable(out_path)}: {groups} groups, {len(records)} results{more}", err=True)

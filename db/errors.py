@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class StoreError(Exception):
     """The tuning database cannot be used: bad URL, corrupt file, unwritable, locked.
@@ -56,14 +58,40 @@ class InvalidExportError(ValueError):
     Attributes
     ----------
     problems : list of str
-        One line per problem, each naming the record index and the field.
+        One line per problem, each naming the record index and the field;
+        the first 100 problems only when there are more.
+    total : int
+        How many problems were found in all.
+    invalid_records : int
+        How many records have at least one.
     """
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], *, total: int | None = None, invalid_records: int | None = None) -> None:
         self.problems = list(problems)
-        shown = "; ".join(self.problems[:5])
-        more = f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
-        super().__init__(f"invalid tuning export: {shown}{more}")
+        self.total = len(self.problems) if total is None else total
+        self.invalid_records = len(_records_named(self.problems)) if invalid_records is None else invalid_records
+        super().__init__("invalid tuning export: " + "; ".join(self.report()))
+
+    def report(self, shown: int = 5) -> list[str]:
+        """The first ``shown`` problems, then one line counting the rest (and the records they are in)."""
+        lines = self.problems[:shown]
+        more = self.total - len(lines)
+        if more > 0:
+            records = self.invalid_records - len(_records_named(lines))
+            lines.append(f"... and {_count(more, 'more problem')}"
+                         + (f" in {_count(records, 'more record')}" if records > 0 else ""))
+        return lines
+
+
+_RECORD = re.compile(r"record (\d+)\b")
+
+
+def _records_named(problems: list[str]) -> set[str]:
+    return {match.group(1) for match in map(_RECORD.match, problems) if match}
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 class DbWarning(UserWarning):

@@ -7,9 +7,11 @@ caller's backend and global state are untouched.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
+from ..terminal import printable
 from .schemas import TuningRecord
 
 #: Beyond this many (device, build, head dim, dtypes, stats) groups the plot gets unreadable.
@@ -17,9 +19,11 @@ MAX_GROUPS = 24
 
 
 def _group_title(record: TuningRecord) -> str:
+    """The stored names as data: control characters escaped (drawn with ``parse_math=False``, so
+    that ``$...$`` in a device name is not mathtext)."""
     k = record.key
     return (
-        f"{k.device.label}  build {k.build_hash[:10]}\n"
+        f"{printable(k.device.label)}  build {printable(k.build_hash[:10])}\n"
         f"D={k.head_dim}  {k.partial_dtype}->{k.out_dtype}  {k.stats_format}"
     )
 
@@ -90,7 +94,7 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
             ax.set_yticks(range(len(splits)), [str(v) for v in splits], fontsize=7)
             ax.set_xlabel("rows")
             ax.set_ylabel("num_splits")
-            ax.set_title(f"{title}\n{_group_title(recs[0])}", fontsize=8)
+            ax.set_title(f"{title}\n{_group_title(recs[0])}", fontsize=8, parse_math=False)
             if len(rows) * len(splits) <= 400:  # labels stay legible
                 for i, line in enumerate(grid):
                     for j, value in enumerate(line):
@@ -111,5 +115,7 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
                 bar.set_ticks(range(0, 10, 2), labels=[str(2 ** t) for t in range(0, 10, 2)])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    with warnings.catch_warnings():  # a name in a script the font lacks: boxes, not a warning per glyph
+        warnings.filterwarnings("ignore", message="Glyph .* missing from")
+        fig.savefig(out, format="png")
     return len(keys)

@@ -2,20 +2,24 @@
 
 ``{"format": "kvsplit-tuning", "version": 1, "exported_at": ..., "tool_version": ...,
 "records": [TuningRecord, ...]}``.  Reading validates the whole file before
-anything is written anywhere, and reports every problem with the index of the
-record and the field.
+anything is written anywhere, record by record (:mod:`.export_text`), and
+reports the problems with the index of the record and the field.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import ValidationError
 
+from ..files import IMPORT_LIMIT, read_capped, read_regular
 from .errors import InvalidExportError
+from .export_text import ExportText
 from .schemas import ExportFile, TuningRecord
 
 
@@ -34,44 +38,133 @@ def _where(loc: tuple) -> str:
     return ".".join(str(part) for part in loc) or "file"
 
 
-def _problems(error: ValidationError) -> list[str]:
-    lines = []
-    for item in error.errors(include_url=False):
-        message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"{_where(tuple(item['loc']))}: {message}")
-    return lines
+class _Problems:
+    """The first :data:`KEPT` problems as lines, and the count of all and of the records they are in.
+
+    A file of a million bad records makes a million problems: keeping each
+    would cost gigabytes, and no one reads them.
+    """
+
+    KEPT = 100
+    # A record with more pydantic errors than this is one line (listing them costs ~1 kB each).
+    LISTED = 1000
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.total = 0
+        self.records = 0
+        self._last_record: int | None = None
+
+    def add(self, loc: tuple, message: str, count: int = 1) -> None:
+        self.total += count
+        if len(loc) >= 2 and loc[0] == "records" and isinstance(loc[1], int) and loc[1] != self._last_record:
+            self.records += 1
+            self._last_record = loc[1]
+        if len(self.lines) < self.KEPT:
+            self.lines.append(f"{_where(loc)}: {message}")
+
+    def add_validation(self, error: ValidationError, prefix: tuple = ()) -> None:
+        count = error.error_count()
+        if len(self.lines) >= self.KEPT or count > self.LISTED:
+            self.add(prefix, f"{count:,} problems, not listed one by one", count)
+            return
+        for item in error.errors(include_url=False):
+            self.add((*prefix, *item["loc"]), item["msg"].removeprefix("Value error, "))
+
+    def raise_any(self) -> None:
+        if self.total:
+            raise InvalidExportError(self.lines, total=self.total, invalid_records=self.records)
+
+
+def _text(source: str | bytes) -> str:
+    """The JSON text of ``source``: bytes must be UTF-8; a byte-order mark is dropped."""
+    if isinstance(source, str):
+        return source.removeprefix("\ufeff")
+    try:
+        return source.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise InvalidExportError(
+            [f"file: not UTF-8 text (byte 0x{source[error.start]:02x} at offset {error.start:,})"]
+        ) from None
+
+
+# The members of the top-level object besides "records"; others are reported as extra.
+_HEADER = frozenset(ExportFile.model_fields) - {"records"}
 
 
 def parse_export(source: str | bytes | Path) -> ExportFile:
     """Validate an export given as JSON text, bytes or a file path.
 
-    A ``str`` that starts with ``{`` (after blanks) is JSON text; any other
-    ``str`` is a path.
+    A ``str`` that starts with ``{`` (after a byte-order mark and blanks) is
+    JSON text; any other ``str`` is a path, read as :func:`read_export_file`
+    reads it.  Bytes must be UTF-8 (a byte-order mark is skipped).  Records
+    are validated one at a time, so memory stays near the size of the text
+    whatever it holds.
 
     Raises
     ------
     InvalidExportError
-        Malformed JSON, wrong format or version, unknown or missing fields,
-        bad configs or times, a key that appears twice.  Every problem found
-        is listed, each naming the record index and the field.
+        Malformed JSON, text that is not UTF-8, a key twice in one object,
+        wrong format or version, unknown or missing fields, bad configs or
+        times, two records of one tuning key.  The first 100 problems are
+        listed, each naming the record index and the field, and all are
+        counted.
+    kvsplit.files.InputRefused
+        The path is not a regular file, or is larger than
+        :data:`kvsplit.files.IMPORT_LIMIT`.
     OSError
         The file cannot be read.
     """
-    if isinstance(source, Path) or (isinstance(source, str) and not source.lstrip().startswith("{")):
-        source = Path(source).read_bytes()
+    if isinstance(source, Path) or (
+        isinstance(source, str) and not source.removeprefix("\ufeff").lstrip().startswith("{")
+    ):
+        source = read_export_file(source)
+    text = _text(source)
+    del source  # the bytes: only the text is needed from here on
+    problems = _Problems()
+    walk = ExportText(text, problems.add)
+    records = []
+    for index, record_text in walk.records():
+        try:
+            records.append(TuningRecord.model_validate_json(record_text))
+        except ValidationError as error:
+            problems.add_validation(error, ("records", index))
+    # The other members, validated together; an unknown one as null (it is reported by name only).
+    members = [f"{json.dumps(name)}: {value if name in _HEADER else 'null'}" for name, value in walk.header.items()]
+    if walk.has_records and "records" not in walk.header:
+        members.append('"records": []')
+    del walk, text  # the records are models now
     try:
-        export = ExportFile.model_validate_json(source)
-    except ValidationError as exc:
-        raise InvalidExportError(_problems(exc)) from None
+        export = ExportFile.model_validate_json("{" + ", ".join(members) + "}")
+    except ValidationError as error:
+        problems.add_validation(error)
+    problems.raise_any()
     seen: dict[object, int] = {}
-    duplicates = []
-    for index, record in enumerate(export.records):
+    for index, record in enumerate(records):
         first = seen.setdefault(record.key, index)
         if first != index:
-            duplicates.append(f"record {index}: key: same key as record {first}")
-    if duplicates:
-        raise InvalidExportError(duplicates)
-    return export
+            problems.add(("records", index, "key"), f"same key as record {first}")
+    problems.raise_any()
+    return export.model_copy(update={"records": records})
+
+
+def read_export_file(path: str | Path, stdin: BinaryIO | None = None) -> bytes:
+    """The bytes of an export file, or of ``stdin`` when ``path`` is ``"-"``, at most
+    :data:`~kvsplit.files.IMPORT_LIMIT` of them.
+
+    Raises
+    ------
+    kvsplit.files.InputRefused
+        Not a regular file (refused unopened), or larger than the limit.
+    OSError
+        The file cannot be read.
+    """
+    if str(path) == "-" and stdin is not None:
+        return read_capped(stdin, IMPORT_LIMIT, name="standard input", hint=_SPLIT_HINT)
+    return read_regular(path, IMPORT_LIMIT, hint=_SPLIT_HINT)
+
+
+_SPLIT_HINT = "; export less at a time (kvsplit db export --device/--build) and import the parts"
 
 
 def read_export(source: str | bytes | Path) -> list[TuningRecord]:

@@ -10,6 +10,7 @@ import click
 from .autotune.cli import tune
 from .clikit import EXIT_DATABASE, EXIT_INVALID, MappedErrors, db_option, db_url, debug_option
 from .db.cli import db
+from .terminal import printable
 
 
 @click.group(cls=MappedErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,7 +49,7 @@ def info(ctx: click.Context, as_json: bool) -> None:
     else:
         width = max(map(len, facts))
         for key, value in facts.items():
-            click.echo(f"{key:<{width}}  {value}")
+            click.echo(f"{key:<{width}}  {printable(value)}")
     if exit_code:
         ctx.exit(exit_code)
 

@@ -17,6 +17,8 @@ import click
 
 from .db.errors import DbWarning, InvalidExportError, StoreError
 from .dispatch import InvalidSetting
+from .files import InputRefused
+from .terminal import printable, printable_lines
 
 EXIT_NOT_FOUND = 1
 EXIT_INTERNAL = 1
@@ -27,21 +29,28 @@ _DB_KEY = "kvsplit.db_url"
 _DEBUG_KEY = "kvsplit.debug"
 
 
-class InvalidInput(click.ClickException):
+class _Message(click.ClickException):
+    """A message that may quote a file, a database or a path: control characters shown as escapes."""
+
+    def format_message(self) -> str:
+        return printable_lines(self.message)
+
+
+class InvalidInput(_Message):
     """Bad input that click itself did not catch: exit 2, like a usage error."""
 
     exit_code = EXIT_INVALID
 
 
-class DatabaseProblem(click.ClickException):
+class DatabaseProblem(_Message):
     exit_code = EXIT_DATABASE
 
 
-class NotFound(click.ClickException):
+class NotFound(_Message):
     exit_code = EXIT_NOT_FOUND
 
 
-class InternalError(click.ClickException):
+class InternalError(_Message):
     exit_code = EXIT_INTERNAL
 
 
@@ -101,7 +110,7 @@ class MappedErrors(click.Group):
                 raise mapped(exc) from None
             finally:
                 for w in caught:
-                    click.echo(f"warning: {w.message}", err=True)
+                    click.echo(f"warning: {printable(w.message)}", err=True)
 
 
 def mapped(exc: Exception) -> click.ClickException:
@@ -109,9 +118,9 @@ def mapped(exc: Exception) -> click.ClickException:
     if isinstance(exc, StoreError):
         return DatabaseProblem(str(exc))
     if isinstance(exc, InvalidExportError):
-        lines = "\n".join(f"  {p}" for p in exc.problems)
+        lines = "\n".join(f"  {printable(p)}" for p in exc.report())
         return InvalidInput(f"invalid tuning export, nothing was written:\n{lines}")
-    if isinstance(exc, InvalidSetting):
+    if isinstance(exc, (InvalidSetting, InputRefused)):
         return InvalidInput(str(exc))
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return InternalError(

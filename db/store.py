@@ -29,7 +29,8 @@ from . import generation
 from . import repair as repairing
 from .decode import Damage
 from .reads import read_records, scan
-from .engine import DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, describe_error, display_url, is_memory_url
+from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, default_quarantine_path, describe_error,
+                     engine_name, is_memory_url)
 from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, listed
 from .migrate import ensure_schema
 from .models import Device, KernelBuild, TuningResult
@@ -48,6 +49,7 @@ from .schemas import (
     TuningRecord,
 )
 from .summary import summarize
+from .targets import Target
 from .transfer import make_export, parse_export
 
 log = logging.getLogger("kvsplit.db")
@@ -96,6 +98,8 @@ class Store:
     ----------
     engine : sqlalchemy.Engine
         Engine whose database is already at the head revision.
+    target : Target, optional
+        The database the engine was created for.
     fallback : bool
         If true, a database error warns once (:class:`DbWarning`) and the store
         continues in memory; if false it raises :class:`StoreError`.
@@ -111,11 +115,13 @@ class Store:
         self,
         engine: Engine,
         *,
+        target: Target | None = None,
         fallback: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_damage: OnDamage | None = None,
     ):
         self._engine = engine
+        self._target = target
         self._fallback = fallback
         self._timeout_s = timeout_s
         self._on_damage: OnDamage = on_damage or ("warn" if fallback else "raise")
@@ -127,8 +133,8 @@ class Store:
 
     @property
     def url(self) -> str:
-        """The database URL, password masked."""
-        return display_url(self._engine.url.render_as_string(hide_password=False))
+        """The database as given (a URL's password masked), for messages."""
+        return engine_name(self._engine)
 
     @property
     def in_memory(self) -> bool:
@@ -193,7 +199,7 @@ class Store:
                 self._failed(exc, engine)
 
     def _failed(self, exc: Exception, engine: Engine) -> None:
-        message = describe_error(exc, str(engine.url), self._timeout_s)
+        message = describe_error(exc, engine_name(engine), self._timeout_s)
         if not self._fallback or is_memory_url(engine.url):
             raise StoreError(message) from exc
         with self._swap_lock:
@@ -376,7 +382,8 @@ class Store:
         """
 
         def work(session: Session) -> RepairResult:
-            return repairing.quarantine(session, self.url, str(self._engine.url), quarantine, dry_run=dry_run)
+            default = default_quarantine_path(self._target.path if self._target is not None else None)
+            return repairing.quarantine(session, self.url, default, quarantine, dry_run=dry_run)
 
         return self._run(work, write=not dry_run, bump=not dry_run)
 

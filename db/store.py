@@ -304,6 +304,9 @@ class Store:
         the partials' dtype; ``num_splits`` and ``rows`` may be several values
         (any of them matches).
         """
+        text_filters = (build_hash, dtype, out_dtype, stats_format)  # a device is device_is()'s
+        if any(value is not None and "\x00" in value for value in text_filters):
+            return []  # no stored text holds a NUL (see schemas.Text); PostgreSQL would refuse the parameter
         r = TuningResult
         conditions = [
             col.in_(list(value)) if isinstance(value, Iterable) and not isinstance(value, str) else col == value

@@ -212,6 +212,9 @@ class Dispatcher:
         self._key_locks: dict[object, threading.Lock] = {}
         self._tables: dict[tuple, dict] = {}
         self._generations: dict[tuple, object] = {}  # per table: the generation it was loaded at
+        # Per table: winners profiled here whose write has not finished. A reload keeps
+        # them, or a key profiled but not yet stored would be profiled again.
+        self._unstored: dict[tuple, dict] = {}
         self._store = None
         self._store_url: str | None = None
         self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
@@ -329,11 +332,21 @@ class Dispatcher:
                 warnings.warn(f"kvsplit: {error}; calls of this shape use the heuristic config "
                               f"{fallback.label}", RuntimeWarning, stacklevel=2)
                 return Decision(constrained(fallback), "heuristic", key)
-            table[key.choice_key] = record.winner
-            store = self._open_store(db_url)
-            before = self._generations.get((facts, key.build_hash, db_url))
-            store.upsert(record)
-            self._own_write(store, db_url, before)
+            table_key = (facts, key.build_hash, db_url)
+            with self._lock:
+                table[key.choice_key] = record.winner
+                self._unstored.setdefault(table_key, {})[key.choice_key] = record.winner
+            try:
+                store = self._open_store(db_url)
+                before = self._generations.get(table_key)
+                store.upsert(record)
+                self._own_write(store, db_url, before)
+            finally:
+                with self._lock:  # after the write: a reload from now on reads it from the database
+                    unstored = self._unstored.get(table_key, {})
+                    unstored.pop(key.choice_key, None)
+                    if not unstored:
+                        self._unstored.pop(table_key, None)
             pending_keys.discard(key)
             log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
             return Decision(constrained(record.winner), "tuned", key, record)
@@ -403,6 +416,7 @@ class Dispatcher:
                 facts, build, _ = table_key
                 table = self._tables[table_key]
                 fresh = store.load_choices(device_info(facts), build)
+                fresh.update(self._unstored.get(table_key, {}))  # profiled here, being stored
                 self._generations[table_key] = current
                 moved = {k for k in table.keys() | fresh.keys() if table.get(k) != fresh.get(k)}
                 if not moved:
@@ -432,6 +446,7 @@ class Dispatcher:
             self.plans.clear()
             self._tables.clear()
             self._generations.clear()
+            self._unstored.clear()
             if self._store is not None:
                 self._store.close()
             self._store = None

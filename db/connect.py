@@ -14,7 +14,7 @@ from .store import OnDamage, Store, memory_engine
 from .targets import Target, parse_target, stat_file
 
 
-def _engine(url: str | None, timeout_s: float, *, create: bool) -> tuple[Engine, Target]:
+def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:
     target = parse_target(url)
     if target.memory and not create:
         raise NoDatabase(
@@ -29,7 +29,7 @@ def _engine(url: str | None, timeout_s: float, *, create: bool) -> tuple[Engine,
             f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
             f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db import` do)"
         )
-    return create_db_engine(target, timeout_s=timeout_s), target
+    return create_db_engine(target, timeout_s=timeout_s, pooled=pooled), target
 
 
 def _guarded(engine: Engine, timeout_s: float, step) -> object:  # noqa: ANN001
@@ -46,9 +46,10 @@ def _guarded(engine: Engine, timeout_s: float, step) -> object:  # noqa: ANN001
         raise StoreError(describe_error(exc, engine_name(engine), timeout_s)) from exc
 
 
-def _ready_engine(url: str | None, timeout_s: float, *, create: bool = True) -> tuple[Engine, Target]:
+def _ready_engine(url: str | None, timeout_s: float, *, create: bool = True,
+                  pooled: bool = True) -> tuple[Engine, Target]:
     # An engine whose database is at the head revision, or StoreError.
-    engine, target = _engine(url, timeout_s, create=create)
+    engine, target = _engine(url, timeout_s, create=create, pooled=pooled)
     upgraded_from = _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=create))
     if upgraded_from is not None:
         warnings.warn(
@@ -111,10 +112,14 @@ def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT
     gives one :class:`DbWarning` naming the problem and an in-memory store; a
     database problem that shows up later, in a read or write, does the same
     instead of raising; and rows that do not parse are skipped with one
-    warning.
+    warning.  An SQLite file is watched: deleted or replaced under the
+    process, it is noticed at the next read or write (see :class:`Store`).
     """
     try:
-        engine, target = _ready_engine(url, timeout_s)
+        # No SQLite connection kept between transactions: an idle serving process
+        # then maps nothing of the file's -shm index, which would kill it with
+        # SIGBUS at its next write once the file is made immutable.
+        engine, target = _ready_engine(url, timeout_s, pooled=False)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the caller's merge must go on
         warnings.warn(
             f"kvsplit tuning database unusable, continuing in memory: {exc}",

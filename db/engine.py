@@ -16,7 +16,7 @@ import platformdirs
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 from .errors import StoreError
 from .targets import ENV_VAR, BadTarget, Target, default_path, is_memory, parse_target, visible
@@ -76,7 +76,7 @@ def default_quarantine_path(sqlite_file: Path | None) -> Path:
     return Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl"
 
 
-def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
+def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
     """Create an engine for ``target`` (a string is read by :func:`.targets.parse_target`).
 
     Parameters
@@ -85,6 +85,9 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
         The database.
     timeout_s : float
         SQLite busy timeout, and PostgreSQL connect timeout, in seconds.
+    pooled : bool
+        If false, an SQLite file's connections are closed after each
+        transaction (a serving process: see :class:`.store.Store`).
 
     Raises
     ------
@@ -102,7 +105,8 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
             else:
                 if target.default:
                     target.path.parent.mkdir(parents=True, exist_ok=True)
-                engine = create_engine(url, connect_args={"timeout": timeout_s})
+                pool = {} if pooled else {"poolclass": NullPool}
+                engine = create_engine(url, connect_args={"timeout": timeout_s}, **pool)
             _install_sqlite_listeners(engine, timeout_s)
         else:
             connect_args = {}
@@ -154,6 +158,10 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
             # the last commits) and spares an fsync per upsert.
             cursor.execute("PRAGMA synchronous = NORMAL")
             cursor.execute("PRAGMA foreign_keys = ON")
+            # No memory-mapped reads of the file, whatever this SQLite's build
+            # default: a mapped file that is truncated or made immutable under
+            # the process kills it with SIGBUS instead of failing a query.
+            cursor.execute("PRAGMA mmap_size = 0")
         finally:
             cursor.close()
 

@@ -218,6 +218,7 @@ class Dispatcher:
         self._store = None
         self._store_url: str | None = None
         self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
+        self._store_reopened = 0  # the store's count of reopened files that the tables have seen
         #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
         self.plans = PlanTable()
         # Child hooks run in the order registered: the pool goes before a refresh thread starts.
@@ -359,6 +360,7 @@ class Dispatcher:
                 self._store = open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
                 self._store_url = db_url
                 self._store_in_memory = self._store.in_memory
+                self._store_reopened = self._store.reopened
             return self._store
 
     def _table(self, facts: DeviceFacts, build_hash: str, db_url: str | None) -> dict:
@@ -398,18 +400,22 @@ class Dispatcher:
         every cached choice whose stored winner changed (or that a new winner
         now covers) is dropped, and so is every launch plan of
         ``kvsplit.merge``: the next call of those shapes chooses again, once.
-        A store that fell back to memory after a database problem is left
-        alone: the tables read before it keep serving.
+        A store that fell back to memory after a database problem (or after
+        its file was deleted) is left alone: the tables read before it keep
+        serving. After the store reopened a file that replaced its own, every
+        table is read again.
         """
         with self._lock:
             store, url = self._store, self._store_url
             if store is None or store.in_memory != self._store_in_memory:
                 return False
-            current = store.generation()
+            current = store.generation()  # the store checks its file first (see kvsplit.db.watch)
             if store.in_memory != self._store_in_memory:  # that very read failed over to memory
                 return False
-            stale = [k for k in self._tables if k[2] == url and self._generations.get(k) != current]
-            if current is None or not stale:
+            reopened, self._store_reopened = store.reopened != self._store_reopened, store.reopened
+            stale = [k for k in self._tables
+                     if k[2] == url and (reopened or self._generations.get(k) != current)]
+            if not stale or (current is None and not reopened):
                 return False
             changed = False
             for table_key in stale:

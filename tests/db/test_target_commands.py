@@ -11,8 +11,11 @@ through them too (hypothesis).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import string
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -240,3 +243,28 @@ def test_random_targets_through_the_commands_exit_0_2_or_3_with_one_line(place, 
         if leftover.is_file():
             leftover.unlink()
     assert not Path(place.cwd / ":memory:").exists()
+
+
+def test_kvsplit_db_in_the_environment_in_real_processes(place):
+    """The installed command, as a user's shell runs it, with the target in KVSPLIT_DB."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPLIT_")}
+    env.update(KVSPLIT_PENDING=str(place.tmp / "pending.jsonl"))
+    runs = {
+        "literal-path": ("pct%41?x=1.sqlite", ["db", "import", str(place.export)]),
+        "unknown-home": ("~nonexistentuser_kvsplit/x.sqlite", ["db", "list"]),
+        "bad-port": ("postgresql+psycopg://u:secret@[::1/db", ["tune", "--devices", "cpu"]),
+        "memory": ("sqlite:///x.sqlite?mode=memory", ["tune", "--devices", "cpu"]),
+        "memory-import": (":memory:", ["db", "import", str(place.export)]),
+    }
+    results = {}
+    for name, (value, args) in runs.items():
+        done = subprocess.run([sys.executable, "-P", "-m", "kvsplit", *args], capture_output=True, text=True,
+                              timeout=300, cwd=place.cwd, env={**env, "KVSPLIT_DB": value})
+        assert "Traceback" not in done.stdout + done.stderr and "secret" not in done.stderr, done.stderr
+        results[name] = (done.returncode, done.stderr.strip())
+    assert results["literal-path"][0] == 0
+    assert sorted(p.name for p in place.cwd.iterdir() if not p.name.endswith(("-wal", "-shm"))) == \
+        ["pct%41?x=1.sqlite"]
+    for name, code in (("unknown-home", 3), ("bad-port", 3), ("memory", 2), ("memory-import", 2)):
+        returncode, err = results[name]
+        assert returncode == code and len(err.splitlines()) == 1 and err.startswith("Error:"), (name, results[name])

@@ -48,7 +48,8 @@ def _isolation_level(value: str) -> str:
 # each with the conversion the dialect applies to it.
 _SQLITE_DRIVER_ARGS = {"timeout": float, "detect_types": int, "cached_statements": int,
                        "check_same_thread": asbool, "isolation_level": _isolation_level}
-_EXAMPLES = "give an SQLite file path, or a URL such as sqlite:////abs/path/tuning.sqlite or postgresql+psycopg://user@host/db"
+_EXAMPLES = ("give an SQLite file path, or a URL such as sqlite:////abs/path/tuning.sqlite or "
+             "postgresql+psycopg://user@host/db")
 
 
 class BadTarget(StoreError):

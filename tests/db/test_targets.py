@@ -71,8 +71,10 @@ def test_in_memory_targets_are_memory_to_kvsplit_and_to_the_driver(cwd, value):
                                    "sqlite:///x.sqlite?timeout=5", "sqlite:///pct%2541.sqlite"])
 def test_a_sqlite_url_names_the_file_the_driver_opens(cwd, value):
     target = parse_target(value)
-    expected = {"sqlite:///rel/x.sqlite": cwd / "rel/x.sqlite", "sqlite:////abs/dir/x.sqlite": Path("/abs/dir/x.sqlite"),
-                "sqlite:///x.sqlite?timeout=5": cwd / "x.sqlite", "sqlite:///pct%2541.sqlite": cwd / "pct%41.sqlite"}
+    expected = {"sqlite:///rel/x.sqlite": cwd / "rel/x.sqlite",
+                "sqlite:////abs/dir/x.sqlite": Path("/abs/dir/x.sqlite"),
+                "sqlite:///x.sqlite?timeout=5": cwd / "x.sqlite",
+                "sqlite:///pct%2541.sqlite": cwd / "pct%41.sqlite"}
     assert target.path == expected[value] and not target.memory
     if target.path.parent == cwd:
         assert driver_file(target) == str(target.path)
@@ -172,7 +174,8 @@ _QUERY = st.lists(st.tuples(st.sampled_from(["mode", "timeout", "uri", "cache", 
 @st.composite
 def any_urls(draw) -> str:
     query = "&".join(f"{k}={v}" for k, v in draw(_QUERY))
-    authority = draw(st.sampled_from(["", "", "host", "u:secret@h", "u:secret@[::1", "h:5432", "h:99999999", "[::1]:x"]))
+    authority = draw(st.sampled_from(["", "", "host", "u:secret@h", "u:secret@[::1", "h:5432", "h:99999999",
+                                      "[::1]:x"]))
     path = draw(_URL_TEXT)
     return f"{draw(_SCHEMES)}://{authority}/{path}" + (f"?{query}" if query else "")
 

@@ -263,7 +263,8 @@ _CHILD = textwrap.dedent("""
     print(json.dumps({"files": files, "warnings": [str(w.message) for w in caught
                                                   if issubclass(w.category, DbWarning)]}))
 """)
-_HOLDER = "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1]); c.execute('select 1 from sqlite_master').fetchall(); print('ready', flush=True); time.sleep(120)"
+_HOLDER = ("import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1]); "
+           "c.execute('select 1 from sqlite_master').fetchall(); print('ready', flush=True); time.sleep(120)")
 
 
 def _can_set_immutable(folder: Path) -> bool:

@@ -232,6 +232,7 @@ def import_(
     if replace and keep:
         raise click.UsageError("--replace and --keep exclude each other")
     rule = "replace" if replace else "keep" if keep else rule
+    storing_db_url(ctx)  # a target that cannot take the records is said so before the file is read
     try:
         # Bytes, never a str: parse_export would take a non-JSON str for a path.
         source = file.read()

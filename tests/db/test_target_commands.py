@@ -124,6 +124,16 @@ def test_an_in_memory_target_is_refused_by_the_commands_that_store(place, url):
     assert list(place.cwd.iterdir()) == [] and not (place.tmp / "x.sqlite").exists()
 
 
+def test_import_looks_at_its_target_before_it_reads_the_file(place):
+    invalid = place.tmp / "invalid.json"
+    invalid.write_text("not an export")
+    assert kvsplit_cli("db", "import", str(invalid), "--db", "~nonexistentuser_kvsplit/x").code == 3
+    memory = kvsplit_cli("db", "import", str(invalid), "--db", ":memory:")
+    assert memory.code == 2 and "nothing would be saved" in memory.err
+    assert kvsplit_cli("db", "import", str(invalid), "--db", "x.sqlite").code == 2  # the file's fault
+    assert list(place.cwd.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["tun?ing.sqlite", "pct%41.sqlite", "a#b&mode=memory.sqlite", ":memory:.sqlite"])
 def test_a_plain_path_is_the_file_of_that_name_and_messages_show_it_as_written(place, name):
     missing = kvsplit_cli("db", "list", "--db", name)

@@ -16,8 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import installed
-from ..clikit import DatabaseProblem, db_option
-from ..clikit import db_url as given_db_url
+from ..clikit import DatabaseProblem, db_option, storing_db_url
 from ..terminal import text
 
 _OUT_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "bfloat16"}
@@ -241,7 +240,8 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     exactly the keys that calls will look up; each key is profiled at the
     grid's own values that fall in it (the first, if several). Resumable:
     keys already stored are skipped unless --force; a stored row that does
-    not parse is tuned again (with a warning). Exits 1 if any key failed, 3 on a database problem.
+    not parse is tuned again (with a warning). Exits 1 if any key failed, 2 for an in-memory
+    --db (nothing would be saved), 3 on a database problem.
 
     Fleet: run the same command on any number of hosts against one --db URL
     (PostgreSQL). Each worker claims a key before it tunes it, so every key
@@ -257,7 +257,7 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     _check_head_dims(head_dims, dtypes)
     console = Console(stderr=True)
     targets = _devices(devices)
-    db_url = given_db_url(ctx)
+    db_url = storing_db_url(ctx)
     with open_store(db_url) as store:  # fail fast, with the store's message, on a bad database
         damage = store.damage()
     if damage:

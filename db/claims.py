@@ -241,7 +241,8 @@ class Claims:
             else:
                 condition = [CLAIMS.c.id == claim.id, CLAIMS.c.owner == claim.owner,
                              CLAIMS.c.state == "claimed", CLAIMS.c.attempts == claim.attempt]
-                values = {"state": "failed", "error": (error or "failed")[:2000]}
+                # Escaped, not refused: a failure's text must be stored on every backend.
+                values = {"state": "failed", "error": (error or "failed").replace("\x00", "\\x00")[:2000]}
             session.execute(update(CLAIMS).where(*condition).values(heartbeat_at=now, expires_at=None,
                                                                     **values))
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import click
 
-from ..clikit import EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option, db_url
+from ..clikit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
+                      db_url, storing_db_url)
 from ..terminal import printable
 from .claims import Claims
 from .connect import open_store, open_store_for_repair
@@ -54,9 +55,12 @@ class Duration(click.ParamType):
         return timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
 
 
-def _open(ctx: click.Context, *, create: bool = False) -> Store:
-    """The database, strictly: it must exist (unless ``create``) and every row must parse."""
-    store = open_store(db_url(ctx), create=create)
+def _open(ctx: click.Context, *, create: bool = False, stores: bool = False) -> Store:
+    """The database, strictly: it must exist (unless ``create``) and every row must parse.
+
+    ``stores``: the command writes, so an in-memory database is refused (exit 2).
+    """
+    store = open_store(storing_db_url(ctx) if stores else db_url(ctx), create=create)
     ctx.call_on_close(store.close)
     store.check()
     return store
@@ -109,8 +113,12 @@ def _json_flag(function: Any) -> Any:
 def db() -> None:
     """Inspect, share, clean and repair the tuning database.
 
-    --db goes before or after the subcommand. Only import creates a
-    database: the others, given a path that does not exist, say so (exit 3).
+    --db goes before or after the subcommand: a URL when it has a scheme
+    (sqlite://, postgresql+psycopg://), else an SQLite file path taken as
+    written (~ expanded). Only import creates a database: the others, given a
+    path that does not exist, say so (exit 3). import, prune and repair
+    refuse an in-memory database (:memory:, sqlite://, ?mode=memory): nothing
+    would be saved (exit 2).
     Every command but repair refuses a database with rows that do not parse
     (exit 3) and says to run `kvsplit db repair`, which moves them to a
     quarantine file.
@@ -120,9 +128,9 @@ def db() -> None:
       0  success
       1  nothing matched (show, plot)
       2  usage error or invalid input (bad option, invalid import file)
-      3  database problem (bad URL, driver not installed, unreachable
-         server, missing, corrupt or read-only file, locked, damaged rows
-         or version table, schema newer than this kvsplit)
+      3  database problem (bad URL or path, driver not installed,
+         unreachable server, missing, corrupt or read-only file, locked,
+         damaged rows or version table, schema newer than this kvsplit)
     """
 
 
@@ -235,6 +243,7 @@ def import_(
     if replace and keep:
         raise click.UsageError("--replace and --keep exclude each other")
     rule = "replace" if replace else "keep" if keep else rule
+    storing_db_url(ctx)  # a target that cannot take the records is said so before the file is read
     export = parse_export(_read_export(file))  # no reference left to the bytes: parsing frees them
     from ..installed import head_dim_rule, head_dim_supported
 
@@ -246,7 +255,7 @@ def import_(
     ]
     if unsupported:
         raise InvalidExportError(unsupported)
-    summary = _open(ctx, create=True).import_records(export, rule=rule, dry_run=dry_run)
+    summary = _open(ctx, create=True, stores=True).import_records(export, rule=rule, dry_run=dry_run)
     if as_json:
         click.echo(to_json(summary))
     else:
@@ -288,7 +297,7 @@ def prune(
     if current_build and not stale_builds:
         raise click.UsageError("--current-build only applies with --stale-builds")
     try:
-        store = _open(ctx)
+        store = _open(ctx, stores=True)
         result = store.prune(
             stale_builds=stale_builds,
             current_build=current_build if current_build is not None else _installed_builds(),
@@ -354,7 +363,7 @@ def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_j
     this kvsplit's schema, and missing tables are created. Never creates a
     database; a newer schema is left alone (exit 3).
     """
-    store, schema_repairs = open_store_for_repair(db_url(ctx), dry_run=dry_run)
+    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run)
     ctx.call_on_close(store.close)
     try:
         result = store.repair(quarantine_path, dry_run=dry_run)

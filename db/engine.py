@@ -1,4 +1,4 @@
-"""Engine factory: resolve the database URL, create the engine, name failures.
+"""Engine factory: create the engine of a target (see :mod:`.targets`), name failures.
 
 SQLite gets one ``connect`` listener for its pragmas and one ``begin`` listener
 so that writers take the write lock up front (see :func:`_install_sqlite_listeners`).
@@ -8,19 +8,21 @@ Any other SQLAlchemy URL is used as it is; PostgreSQL through psycopg 3
 
 from __future__ import annotations
 
-import os
 import re
+import weakref
 from pathlib import Path
 
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import NullPool, StaticPool
 
 from .errors import StoreError
+from .targets import ENV_VAR, BadTarget, Target, default_path, is_memory, parse_target, visible
 
-ENV_VAR = "KVSPLIT_DB"
+__all__ = ["DEFAULT_TIMEOUT_S", "ENV_VAR", "WRITE_OPTION", "create_db_engine", "default_url", "describe_error",
+           "display_url", "engine_name", "is_memory_url", "resolve_url"]
 #: How long a writer waits for another process's write lock, in seconds.
 DEFAULT_TIMEOUT_S = 30.0
 #: Execution option that makes a SQLite transaction start with BEGIN IMMEDIATE.
@@ -29,105 +31,108 @@ WRITE_OPTION = "kvsplit_write"
 
 def default_url() -> str:
     """``sqlite:///`` URL of ``tuning.sqlite`` in the user cache directory."""
-    path = Path(platformdirs.user_cache_dir("kvsplit")) / "tuning.sqlite"
-    return f"sqlite:///{path}"
+    return URL.create("sqlite", database=str(default_path())).render_as_string()
 
 
 def resolve_url(url: str | None = None) -> str:
-    """The URL to use: ``url``, else ``$KVSPLIT_DB``, else :func:`default_url`.
+    """The URL to use: ``url``, else ``$KVSPLIT_DB``, else :func:`default_url` (see :func:`.targets.parse_target`).
 
-    A value without ``://`` is taken as the path of an SQLite file.
+    A value without a scheme is the path of an SQLite file, taken literally.
+
+    Raises
+    ------
+    StoreError
+        The value names no database kvsplit can open.
     """
-    url = url or os.environ.get(ENV_VAR) or default_url()
-    if "://" not in url:
-        url = f"sqlite:///{Path(url).expanduser().absolute()}"
-    return url
+    return parse_target(url).url.render_as_string(hide_password=False)
 
 
 def display_url(url: str) -> str:
     """``url`` with any password masked, for messages."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return url
 
 
 def is_memory_url(url: URL) -> bool:
     """Whether ``url`` names an in-memory SQLite database."""
-    if url.get_backend_name() != "sqlite":
-        return False
-    return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
+    return url.get_backend_name() == "sqlite" and is_memory(url.database, url.query)
 
 
-def sqlite_file(url: str) -> Path | None:
-    """The file of an SQLite URL (already resolved); ``None`` for memory or another backend."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return None
-    if parsed.get_backend_name() != "sqlite" or is_memory_url(parsed):
-        return None
-    return Path(parsed.database)
+# The name each engine's database goes by in messages: its target as the user wrote it.
+_NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
 
-def default_quarantine_path(url: str) -> Path:
+def engine_name(engine: Engine) -> str:
+    """The database of ``engine`` as messages show it (as given with --db / KVSPLIT_DB)."""
+    return _NAMES.get(engine) or display_url(engine.url.render_as_string(hide_password=False))
+
+
+def default_quarantine_path(sqlite_file: Path | None) -> Path:
     """Where ``repair`` writes the rows it removes: beside an SQLite file, else in the user cache dir."""
-    path = sqlite_file(url)
-    if path is not None:
-        return path.with_name(path.name + ".quarantine.jsonl")
+    if sqlite_file is not None:
+        return sqlite_file.with_name(sqlite_file.name + ".quarantine.jsonl")
     return Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl"
 
 
-def create_db_engine(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
-    """Create an engine for ``url`` (already resolved).
+def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
+    """Create an engine for ``target`` (a string is read by :func:`.targets.parse_target`).
 
     Parameters
     ----------
-    url : str
-        Any SQLAlchemy URL.
+    target : Target or str
+        The database.
     timeout_s : float
         SQLite busy timeout, and PostgreSQL connect timeout, in seconds.
+    pooled : bool
+        If false, an SQLite file's connections are closed after each
+        transaction (a serving process: see :class:`.store.Store`).
 
     Raises
     ------
     StoreError
         The URL does not parse, names an unknown dialect, or its driver is not installed.
     """
-    shown = display_url(url)
+    if not isinstance(target, Target):
+        target = parse_target(target)
+    shown, url = target.shown, target.url
     try:
-        parsed = make_url(url)
-        if parsed.get_backend_name() == "sqlite":
-            if is_memory_url(parsed):
+        if url.get_backend_name() == "sqlite":
+            if target.memory:
                 # One shared connection: every session must see the same database.
-                engine = create_engine(parsed, poolclass=StaticPool, connect_args={"check_same_thread": False})
+                engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
             else:
-                if parsed.database == make_url(default_url()).database:
-                    Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-                engine = create_engine(parsed, connect_args={"timeout": timeout_s})
+                if target.default:
+                    target.path.parent.mkdir(parents=True, exist_ok=True)
+                pool = {} if pooled else {"poolclass": NullPool}
+                engine = create_engine(url, connect_args={"timeout": timeout_s}, **pool)
             _install_sqlite_listeners(engine, timeout_s)
-            return engine
-        connect_args = {}
-        if parsed.get_backend_name() == "postgresql":
-            # Fail in bounded time on an unreachable server instead of hanging.
-            connect_args["connect_timeout"] = max(1, int(timeout_s))
-        return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+        else:
+            connect_args = {}
+            if url.get_backend_name() == "postgresql":
+                # Fail in bounded time on an unreachable server instead of hanging.
+                connect_args["connect_timeout"] = max(1, int(timeout_s))
+            engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except NoSuchModuleError as exc:
-        raise StoreError(
+        raise BadTarget(
             f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite "
             f"or postgresql+psycopg://user@host/db"
         ) from exc
     except ImportError as exc:
         # The dialect is known but its DBAPI module is missing: not the URL's fault.
-        driver = f"{parsed.get_backend_name()}+{parsed.get_driver_name()}"
-        hint = "pip install 'psycopg[binary]'" if parsed.get_driver_name() == "psycopg" else f"install {exc.name or 'it'}"
+        driver = f"{url.get_backend_name()}+{url.get_driver_name()}"
+        hint = "pip install 'psycopg[binary]'" if url.get_driver_name() == "psycopg" else f"install {exc.name or 'it'}"
         raise StoreError(f"{shown}: the database driver for {driver} is not installed ({exc}); {hint}") from exc
     except (ArgumentError, ValueError) as exc:
-        raise StoreError(
-            f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite "
-            f"or postgresql+psycopg://user@host/db"
+        raise BadTarget(
+            f"bad database URL {shown!r}: {visible(str(exc))}; give an SQLAlchemy URL such as "
+            f"sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db"
         ) from exc
     except OSError as exc:
         raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
+    _NAMES[engine] = shown
+    return engine
 
 
 def _lenient_text(data: bytes) -> str:
@@ -153,6 +158,10 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
             # the last commits) and spares an fsync per upsert.
             cursor.execute("PRAGMA synchronous = NORMAL")
             cursor.execute("PRAGMA foreign_keys = ON")
+            # No memory-mapped reads of the file, whatever this SQLite's build
+            # default: a mapped file that is truncated or made immutable under
+            # the process kills it with SIGBUS instead of failing a query.
+            cursor.execute("PRAGMA mmap_size = 0")
         finally:
             cursor.close()
 
@@ -165,11 +174,10 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
 _MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')
 
 
-def describe_error(exc: BaseException, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-    """One sentence for people: what is wrong with the database at ``url``, and what to do."""
-    shown = display_url(url)
+def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """One sentence for people: what is wrong with the database ``shown`` (see :func:`engine_name`), and what to do."""
     orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-    text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    text = visible(str(orig).strip().splitlines()[0]) if str(orig).strip() else type(orig).__name__
     low = text.lower()
     elsewhere = "or use another database with --db / KVSPLIT_DB"
     if "database is locked" in low or "database table is locked" in low:

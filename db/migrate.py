@@ -19,7 +19,7 @@ import re
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from .engine import WRITE_OPTION, display_url
+from .engine import WRITE_OPTION, engine_name
 from .errors import NoDatabase, SchemaDamaged, SchemaTooNew
 from .models import Base
 
@@ -69,7 +69,7 @@ _REVISION_ID = re.compile(r"^[0-9A-Za-z_]{1,32}$")
 _REPAIR = "run `kvsplit db repair` to restore it"
 
 
-def stamped_revision(conn: Connection, url: str, *, check_tables: bool = True) -> str | None:
+def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True) -> str | None:
     """The one revision stamped in the database; ``None`` for a database without kvsplit tables.
 
     Raises
@@ -80,7 +80,6 @@ def stamped_revision(conn: Connection, url: str, *, check_tables: bool = True) -
     SchemaTooNew
         A revision this code does not know.
     """
-    shown = display_url(url)
     tables = set(inspect(conn).get_table_names())
     has_version_table = VERSION_TABLE in tables
     rows = [r[0] for r in conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))] if has_version_table else []
@@ -95,7 +94,7 @@ def stamped_revision(conn: Connection, url: str, *, check_tables: bool = True) -
             raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} holds {row!r}, "
                                 f"which is not a schema revision; {_REPAIR}")
     for row in rows:
-        _check_known(row, url)
+        _check_known(row, shown)
     if len(rows) > 1:
         raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} has {len(rows)} rows "
                             f"({', '.join(map(repr, rows))}) where one belongs; {_REPAIR}")
@@ -116,11 +115,11 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
     tables are.  At the head revision, missing tables are created empty.
     A newer schema is refused (:class:`SchemaTooNew`).
     """
-    shown = display_url(str(engine.url))
+    shown = engine_name(engine)
     head = head_revision()
     with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn, conn.begin():
         try:
-            found = stamped_revision(conn, str(engine.url), check_tables=False)
+            found = stamped_revision(conn, shown, check_tables=False)
         except SchemaDamaged:
             found = None
             restamp = True
@@ -155,11 +154,11 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
         return done
 
 
-def _check_known(revision: str | None, url: str) -> None:
+def _check_known(revision: str | None, shown: str) -> None:
     if revision is None or _is_known(revision):
         return
     raise SchemaTooNew(
-        f"{display_url(url)}: the database has schema revision {revision!r}, newer than this "
+        f"{shown}: the database has schema revision {revision!r}, newer than this "
         f"kvsplit knows (up to {head_revision()!r}); upgrade kvsplit, or use another "
         f"database with --db / KVSPLIT_DB",
         revision,
@@ -184,7 +183,7 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | Non
                 if conn.dialect.name == "postgresql":
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK_ID})")
                 before = current_revision(conn)
-                _check_known(before, str(engine.url))
+                _check_known(before, engine_name(engine))
                 if target == "head" and before == head_revision():
                     return before, before  # another process got here first
                 cfg = _config(conn)
@@ -222,11 +221,11 @@ def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
     """
     head = head_revision()
     with engine.connect() as conn:
-        found = stamped_revision(conn, str(engine.url))
+        found = stamped_revision(conn, engine_name(engine))
     if found == head:
         return None
     if found is None and not create:
-        raise NoDatabase(f"{display_url(str(engine.url))}: holds no kvsplit tuning tables yet; "
+        raise NoDatabase(f"{engine_name(engine)}: holds no kvsplit tuning tables yet; "
                          f"`kvsplit tune` or `kvsplit db import` creates them")
     before, _ = upgrade(engine, "head")
     return before if before not in (None, head) else None

@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 
 from .decode import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .reads import scan
-from .engine import default_quarantine_path
 from .schemas import RepairResult
 
 _CHUNK = 500  # ids per DELETE, well under every backend's parameter limit
@@ -42,7 +41,7 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def quarantine(session: Session, shown_url: str, url: str, path: Path | None, *, dry_run: bool) -> RepairResult:
+def quarantine(session: Session, shown_url: str, default: Path, path: Path | None, *, dry_run: bool) -> RepairResult:
     """Find what does not parse (and what depends on it), write it to ``path``, delete it."""
     everything = scan(session)
     chosen: dict[tuple[str, Any], tuple[str, dict]] = {d.where: (d.problem, dict(d.raw)) for d in everything.damage}
@@ -54,7 +53,7 @@ def quarantine(session: Session, shown_url: str, url: str, path: Path | None, *,
                 row,
             )
     counts = {t.name: sum(1 for table, _ in chosen if table == t.name) for t in TABLES}
-    target = Path(path) if path is not None else default_quarantine_path(url)
+    target = Path(path) if path is not None else default
     result = RepairResult(
         dry_run=dry_run,
         quarantined={t: n for t, n in counts.items() if n},

@@ -6,7 +6,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import NamedTuple
 
-from sqlalchemy import ColumnElement, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, bindparam, delete, false, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from .decode import Damage, parse_timestamp, raw_columns
@@ -18,6 +18,8 @@ from .schemas import DeviceInfo, TuningKey, TuningRecord
 def device_is(device: DeviceInfo | str) -> list[ColumnElement[bool]]:
     """Conditions on :class:`Device`: exact for a DeviceInfo, part of the name for a string."""
     if isinstance(device, str):
+        if "\x00" in device:  # no stored name holds one; PostgreSQL would refuse the parameter
+            return [false()]
         return [func.lower(Device.name).contains(device.lower(), autoescape=True)]
     return [
         Device.name == device.name,
@@ -172,6 +174,7 @@ def stale_build_ids(session: Session, current_build: str | Collection[str] | Non
     most recently updated one."""
     if current_build is not None:
         current = [current_build] if isinstance(current_build, str) else list(current_build)
+        current = [h for h in current if "\x00" not in h]  # no stored hash holds one
         return list(session.scalars(select(KernelBuild.id).where(KernelBuild.build_hash.not_in(current))))
     newest = session.execute(
         select(TuningResult.build_id).order_by(TuningResult.updated_at.desc(), TuningResult.id.desc()).limit(1)

@@ -11,7 +11,8 @@ import math
 from datetime import datetime, timezone
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+                      model_validator)
 
 from ..config import BASELINE, KernelConfig
 
@@ -32,6 +33,18 @@ Count = Annotated[StrictInt, Field(ge=0, le=_INT_MAX)]
 Micros = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
+def _no_nul(value: str) -> str:
+    # PostgreSQL's text cannot hold NUL and SQLite's can: refused here, no
+    # backend ever sees one, and an import means the same on both.
+    if "\x00" in value:
+        raise ValueError("holds a NUL character (\\x00), which no tuning database may store")
+    return value
+
+
+#: Text stored in the database.
+Text = Annotated[str, AfterValidator(_no_nul)]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", from_attributes=True)
 
@@ -48,7 +61,7 @@ def _utc(value: datetime | None) -> datetime | None:
 class DeviceInfo(_Model, frozen=True):
     """A GPU as seen by the tuner: name, compute capability and SM count."""
 
-    name: str = Field(min_length=1, max_length=128)
+    name: Text = Field(min_length=1, max_length=128)
     cc_major: int = Field(ge=0, le=99, strict=True)
     cc_minor: int = Field(ge=0, le=99, strict=True)
     sm_count: Positive
@@ -61,8 +74,8 @@ class DeviceInfo(_Model, frozen=True):
 class KernelBuildInfo(_Model, frozen=True):
     """A compiled kernel library as the database names it."""
 
-    build_hash: str = Field(min_length=1, max_length=128)
-    library_version: str = Field(min_length=1, max_length=64)
+    build_hash: Text = Field(min_length=1, max_length=128)
+    library_version: Text = Field(min_length=1, max_length=64)
 
 
 ChoiceKey = tuple[int, str, str, str, int, int]
@@ -76,7 +89,7 @@ class TuningKey(_Model, frozen=True):
     """
 
     device: DeviceInfo
-    build_hash: str = Field(min_length=1, max_length=128)
+    build_hash: Text = Field(min_length=1, max_length=128)
     head_dim: Positive
     partial_dtype: Dtype
     out_dtype: OutDtype
@@ -151,7 +164,7 @@ class TuningRecord(_Model):
     winner: KernelConfig
     policy: TuningPolicy
     candidates: list[CandidateResult] = Field(default_factory=list)
-    tool_version: str = Field(min_length=1, max_length=64)
+    tool_version: Text = Field(min_length=1, max_length=64)
     created_at: datetime | None = None
     updated_at: datetime | None = None
 
@@ -286,12 +299,12 @@ class ClaimInfo(_Model):
 
     key: TuningKey
     state: ClaimState
-    owner: str | None = Field(default=None, min_length=1, max_length=255)
+    owner: Text | None = Field(default=None, min_length=1, max_length=255)
     attempts: Count
     claimed_at: datetime | None = None
     heartbeat_at: datetime | None = None
     expires_at: datetime | None = None
-    error: str | None = Field(default=None, min_length=1)
+    error: Text | None = Field(default=None, min_length=1)
 
     _to_utc = field_validator("claimed_at", "heartbeat_at", "expires_at")(_utc)
 

@@ -8,6 +8,9 @@ with a :class:`DbWarning` that names each row once (``"warn"``, library
 callers).
 A store opened with ``fallback=True`` (library callers) never raises for a
 database problem: it warns once and carries on with an in-memory database.
+Such a store also watches its SQLite file (see :mod:`.watch`) before each
+transaction: deleted, emptied or made immutable, it warns once and goes on in
+memory; replaced by another file, it warns once and uses the new one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from . import generation
 from . import repair as repairing
 from .decode import Damage
 from .reads import read_records, scan
-from .engine import DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, describe_error, display_url, is_memory_url
+from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, default_quarantine_path, describe_error,
+                     engine_name, is_memory_url)
 from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, listed
 from .migrate import ensure_schema
 from .models import Device, KernelBuild, TuningResult
@@ -48,7 +52,9 @@ from .schemas import (
     TuningRecord,
 )
 from .summary import summarize
+from .targets import Target
 from .transfer import make_export, parse_export
+from .watch import FileWatch
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
@@ -79,6 +85,15 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _watch(target: Target | None) -> FileWatch | None:
+    if target is None or target.path is None:
+        return None
+    try:
+        return FileWatch(target.path)
+    except OSError:  # gone already: the first transaction fails and falls back to memory
+        return None
+
+
 def memory_engine() -> Engine:
     """A fresh in-memory SQLite engine with the schema at head."""
     engine = create_db_engine(MEMORY_URL)
@@ -96,6 +111,9 @@ class Store:
     ----------
     engine : sqlalchemy.Engine
         Engine whose database is already at the head revision.
+    target : Target, optional
+        The database the engine was created for (its SQLite file is watched
+        with ``fallback``, and reopened when replaced).
     fallback : bool
         If true, a database error warns once (:class:`DbWarning`) and the store
         continues in memory; if false it raises :class:`StoreError`.
@@ -111,11 +129,16 @@ class Store:
         self,
         engine: Engine,
         *,
+        target: Target | None = None,
         fallback: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_damage: OnDamage | None = None,
     ):
         self._engine = engine
+        self._target = target
+        self._watch = _watch(target) if fallback else None
+        #: How many times a replaced file was reopened: tables read before are from another file.
+        self.reopened = 0
         self._fallback = fallback
         self._timeout_s = timeout_s
         self._on_damage: OnDamage = on_damage or ("warn" if fallback else "raise")
@@ -127,8 +150,8 @@ class Store:
 
     @property
     def url(self) -> str:
-        """The database URL, password masked."""
-        return display_url(self._engine.url.render_as_string(hide_password=False))
+        """The database as given (a URL's password masked), for messages."""
+        return engine_name(self._engine)
 
     @property
     def in_memory(self) -> bool:
@@ -166,6 +189,8 @@ class Store:
     def _run(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         attempt = 0
         while True:
+            if self._watch is not None:
+                self._check_file(self._watch)
             engine = self._engine
             bound = engine.execution_options(**(_WRITE_OPTIONS if write else _read_options(engine)))
             # One in-memory connection serves every thread: transactions must not interleave.
@@ -193,7 +218,7 @@ class Store:
                 self._failed(exc, engine)
 
     def _failed(self, exc: Exception, engine: Engine) -> None:
-        message = describe_error(exc, str(engine.url), self._timeout_s)
+        message = describe_error(exc, engine_name(engine), self._timeout_s)
         if not self._fallback or is_memory_url(engine.url):
             raise StoreError(message) from exc
         with self._swap_lock:
@@ -205,7 +230,46 @@ class Store:
                 stacklevel=4,
             )
             self._engine = memory_engine()
+            self._watch = None
         engine.dispose()
+
+    def _check_file(self, watch: FileWatch) -> None:
+        """Before a transaction of a serving store: is the file still the one opened? If not,
+        one warning, and the new file (when one replaced it and it opens) or memory."""
+        change = watch.changed()
+        if change is None:
+            return
+        with self._swap_lock:
+            if self._watch is not watch:
+                return  # another thread dealt with it
+            old = self._engine
+            engine, problem = self._reopen() if change.reopen else (None, None)
+            if engine is not None:
+                self._watch = _watch(self._target)
+                self.reopened += 1
+                outcome = "reading and writing the new file from now on"
+            else:
+                engine, self._watch = memory_engine(), None
+                unusable = f"; the new file cannot be used ({problem})" if problem else ""
+                outcome = f"{unusable}; continuing in memory (what is profiled from now on stays in this process)"
+            warnings.warn(f"kvsplit tuning database {engine_name(old)} {change.what}"
+                          f"{outcome if outcome.startswith(';') else ': ' + outcome}", DbWarning, stacklevel=5)
+            self._engine = engine
+        # An immutable file's connections are dropped, never closed: closing writes
+        # to its mapped shared-memory index, which is what kills the process.
+        old.dispose(close="immutable" not in change.what)
+
+    def _reopen(self) -> tuple[Engine | None, str | None]:
+        try:
+            engine = create_db_engine(self._target, timeout_s=self._timeout_s, pooled=False)
+        except StoreError as exc:
+            return None, str(exc)
+        try:
+            ensure_schema(engine)
+        except (StoreError, SQLAlchemyError, OSError, ValueError) as exc:
+            engine.dispose()
+            return None, str(exc) if isinstance(exc, StoreError) else describe_error(exc, self.url, self._timeout_s)
+        return engine, None
 
     def _read(self, work: Callable[[Session], tuple[T, list[Damage]]]) -> T:
         value, damage = self._run(work, write=False)
@@ -298,6 +362,9 @@ class Store:
         the partials' dtype; ``num_splits`` and ``rows`` may be several values
         (any of them matches).
         """
+        text_filters = (build_hash, dtype, out_dtype, stats_format)  # a device is device_is()'s
+        if any(value is not None and "\x00" in value for value in text_filters):
+            return []  # no stored text holds a NUL (see schemas.Text); PostgreSQL would refuse the parameter
         r = TuningResult
         conditions = [
             col.in_(list(value)) if isinstance(value, Iterable) and not isinstance(value, str) else col == value
@@ -376,7 +443,8 @@ class Store:
         """
 
         def work(session: Session) -> RepairResult:
-            return repairing.quarantine(session, self.url, str(self._engine.url), quarantine, dry_run=dry_run)
+            default = default_quarantine_path(self._target.path if self._target is not None else None)
+            return repairing.quarantine(session, self.url, default, quarantine, dry_run=dry_run)
 
         return self._run(work, write=not dry_run, bump=not dry_run)
 

@@ -212,9 +212,13 @@ class Dispatcher:
         self._key_locks: dict[object, threading.Lock] = {}
         self._tables: dict[tuple, dict] = {}
         self._generations: dict[tuple, object] = {}  # per table: the generation it was loaded at
+        # Per table: winners profiled here whose write has not finished. A reload keeps
+        # them, or a key profiled but not yet stored would be profiled again.
+        self._unstored: dict[tuple, dict] = {}
         self._store = None
         self._store_url: str | None = None
         self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
+        self._store_reopened = 0  # the store's count of reopened files that the tables have seen
         #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
         self.plans = PlanTable()
         # Child hooks run in the order registered: the pool goes before a refresh thread starts.
@@ -329,11 +333,21 @@ class Dispatcher:
                 warnings.warn(f"kvsplit: {error}; calls of this shape use the heuristic config "
                               f"{fallback.label}", RuntimeWarning, stacklevel=2)
                 return Decision(constrained(fallback), "heuristic", key)
-            table[key.choice_key] = record.winner
-            store = self._open_store(db_url)
-            before = self._generations.get((facts, key.build_hash, db_url))
-            store.upsert(record)
-            self._own_write(store, db_url, before)
+            table_key = (facts, key.build_hash, db_url)
+            with self._lock:
+                table[key.choice_key] = record.winner
+                self._unstored.setdefault(table_key, {})[key.choice_key] = record.winner
+            try:
+                store = self._open_store(db_url)
+                before = self._generations.get(table_key)
+                store.upsert(record)
+                self._own_write(store, db_url, before)
+            finally:
+                with self._lock:  # after the write: a reload from now on reads it from the database
+                    unstored = self._unstored.get(table_key, {})
+                    unstored.pop(key.choice_key, None)
+                    if not unstored:
+                        self._unstored.pop(table_key, None)
             pending_keys.discard(key)
             log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
             return Decision(constrained(record.winner), "tuned", key, record)
@@ -346,6 +360,7 @@ class Dispatcher:
                 self._store = open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
                 self._store_url = db_url
                 self._store_in_memory = self._store.in_memory
+                self._store_reopened = self._store.reopened
             return self._store
 
     def _table(self, facts: DeviceFacts, build_hash: str, db_url: str | None) -> dict:
@@ -385,24 +400,29 @@ class Dispatcher:
         every cached choice whose stored winner changed (or that a new winner
         now covers) is dropped, and so is every launch plan of
         ``kvsplit.merge``: the next call of those shapes chooses again, once.
-        A store that fell back to memory after a database problem is left
-        alone: the tables read before it keep serving.
+        A store that fell back to memory after a database problem (or after
+        its file was deleted) is left alone: the tables read before it keep
+        serving. After the store reopened a file that replaced its own, every
+        table is read again.
         """
         with self._lock:
             store, url = self._store, self._store_url
             if store is None or store.in_memory != self._store_in_memory:
                 return False
-            current = store.generation()
+            current = store.generation()  # the store checks its file first (see kvsplit.db.watch)
             if store.in_memory != self._store_in_memory:  # that very read failed over to memory
                 return False
-            stale = [k for k in self._tables if k[2] == url and self._generations.get(k) != current]
-            if current is None or not stale:
+            reopened, self._store_reopened = store.reopened != self._store_reopened, store.reopened
+            stale = [k for k in self._tables
+                     if k[2] == url and (reopened or self._generations.get(k) != current)]
+            if not stale or (current is None and not reopened):
                 return False
             changed = False
             for table_key in stale:
                 facts, build, _ = table_key
                 table = self._tables[table_key]
                 fresh = store.load_choices(device_info(facts), build)
+                fresh.update(self._unstored.get(table_key, {}))  # profiled here, being stored
                 self._generations[table_key] = current
                 moved = {k for k in table.keys() | fresh.keys() if table.get(k) != fresh.get(k)}
                 if not moved:
@@ -432,6 +452,7 @@ class Dispatcher:
             self.plans.clear()
             self._tables.clear()
             self._generations.clear()
+            self._unstored.clear()
             if self._store is not None:
                 self._store.close()
             self._store = None

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from .db.errors import DbWarning, InvalidExportError, StoreError
+from .db.targets import parse_target, visible
 from .dispatch import InvalidSetting
 from .files import InputRefused
 from .terminal import printable, printable_lines
@@ -69,13 +70,31 @@ def db_option(function: Any) -> Any:
         expose_value=False,
         is_eager=True,
         callback=_remember_db,
-        help="SQLAlchemy URL or SQLite file path [env KVSPLIT_DB; default: tuning.sqlite in the user cache dir].",
+        help="SQLAlchemy URL (it has a scheme: sqlite://, postgresql+psycopg://) or SQLite file path, taken as "
+        "written [env KVSPLIT_DB; default: tuning.sqlite in the user cache dir].",
     )(function)
 
 
 def db_url(ctx: click.Context) -> str | None:
     """The ``--db`` given anywhere on the command line, else ``None`` (then ``KVSPLIT_DB`` or the default)."""
     return ctx.meta.get(_DB_KEY)
+
+
+def storing_db_url(ctx: click.Context) -> str | None:
+    """:func:`db_url` for a command that stores: an in-memory database is refused (exit 2).
+
+    Such a database starts empty in every process and is gone at its exit:
+    nothing the command stores would be saved.  A target that names no
+    database at all is a database problem (exit 3), as for every command.
+    """
+    url = ctx.meta.get(_DB_KEY)
+    target = parse_target(url)
+    if target.memory:
+        raise InvalidInput(
+            f"{target.shown} is an in-memory database: nothing would be saved; give an SQLite file path "
+            f"or a server URL with --db or KVSPLIT_DB"
+        )
+    return url
 
 
 def debug_option(function: Any) -> Any:
@@ -116,7 +135,7 @@ class MappedErrors(click.Group):
 def mapped(exc: Exception) -> click.ClickException:
     """The click exception (message and exit code) that stands for ``exc``."""
     if isinstance(exc, StoreError):
-        return DatabaseProblem(str(exc))
+        return DatabaseProblem(visible(str(exc)))  # one line, whatever a name or a driver put in it
     if isinstance(exc, InvalidExportError):
         lines = "\n".join(f"  {printable(p)}" for p in exc.report())
         return InvalidInput(f"invalid tuning export, nothing was written:\n{lines}")

@@ -50,14 +50,17 @@ def run(device: str | None, seed: int) -> int:
 
 
 def _report(partial_o: torch.Tensor, rows: int, elapsed_ms: float) -> None:
-    from .db import resolve_url
-    from .db.engine import display_url
+    from .db import StoreError
+    from .db.targets import parse_target, shown_as_given
     from .dispatch.device import device_facts
     from .dispatch.dispatcher import dispatcher
 
     decision = dispatcher.explain(device_facts(partial_o.device), HEAD_DIM, partial_o.dtype,
                                   partial_o.dtype, 0, NUM_SPLITS, rows)
-    where = display_url(resolve_url(os.environ.get("KVSPLIT_DB")))
+    try:
+        where = parse_target(os.environ.get("KVSPLIT_DB")).shown
+    except StoreError:  # the merge warned about it and went on in memory
+        where = f"memory ({shown_as_given(os.environ.get('KVSPLIT_DB', ''))} is unusable)"
     print(f"chosen config = {decision.config.label} ({decision.source}); first call took "
           f"{elapsed_ms:.1f} ms wall clock")
     if decision.record is not None:

@@ -8,20 +8,27 @@ from . import __version__, _native
 from .config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
 
 
-def _database(url: str | None) -> tuple[str, bool]:
-    """One line on the database and whether it has a problem; never creates it."""
+def _database(url: str | None) -> tuple[str, str, bool]:
+    """The database as given, one line on its state and whether it has a problem; never creates it."""
     from .db import StoreError, open_store
     from .db.errors import NoDatabase
+    from .db.targets import parse_target, shown_as_given
 
+    try:
+        target = parse_target(url)
+    except StoreError as error:
+        return shown_as_given(url or os.environ.get("KVSPLIT_DB", "")), f"problem: {error}", True
+    if target.memory:
+        return target.shown, "in memory (every process starts it empty; nothing is kept)", False
     try:
         with open_store(url, create=False) as store:
             store.check()
             results = len(store.query())
     except NoDatabase:
-        return "not created yet (kvsplit creates it at the first tuning)", False
+        return target.shown, "not created yet (kvsplit creates it at the first tuning)", False
     except StoreError as error:
-        return f"problem: {error}", True
-    return f"ok, {results} tuning results", False
+        return target.shown, f"problem: {error}", True
+    return target.shown, f"ok, {results} tuning results", False
 
 
 def _version(version: int) -> str:
@@ -82,12 +89,8 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
                 facts["kernels on this device"] = f"no — {error}"
     else:
         facts["device"] = "cpu (no CUDA device visible)"
-    from .db import resolve_url
-    from .db.engine import display_url
-
     environ = os.environ
-    facts["database"] = display_url(resolve_url(db_url or environ.get("KVSPLIT_DB")))
-    facts["database status"], db_problem = _database(db_url)
+    facts["database"], facts["database status"], db_problem = _database(db_url)
     exit_code = 3 if db_problem else 0
     mode, max_split = environ.get("KVSPLIT_MODE"), environ.get("KVSPLIT_MAX_SPLIT")
     facts["mode"] = mode or "auto"

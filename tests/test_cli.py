@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from click.testing import CliRunner
+from clirun import invoke
 
 import kvsplit as library
 from kvsplit import _kernel
@@ -50,14 +50,8 @@ def env(tmp_path, monkeypatch):
 
 
 def kvsplit(*args: str, catch: bool = False) -> SimpleNamespace:
-    """Invoke ``kvsplit ARGS``; stdout and stderr apart (click 8.1 and 8.2+)."""
-    try:
-        runner = CliRunner(mix_stderr=False)
-    except TypeError:
-        runner = CliRunner()
-    result = runner.invoke(main, list(args), catch_exceptions=catch)
-    return SimpleNamespace(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
-                           output=result.stdout + result.stderr, exception=result.exception)
+    """Invoke ``kvsplit ARGS``; stdout and stderr apart."""
+    return invoke(main, *args, catch=catch)
 
 
 def cpu_key(head_dim, num_splits, rows, *, stats_format="maxsum", dtype="bfloat16"):

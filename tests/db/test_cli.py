@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import sqlalchemy as sa
-from click.testing import CliRunner
+from clirun import invoke
 from dbtestlib import A100, make_record
 from kvsplit.db import dump_export, make_export, open_store
 from kvsplit.db.cli import db
@@ -33,15 +33,10 @@ def filled(db_url):
 
 
 def run(*args: str, input: str | None = None) -> SimpleNamespace:
-    """Invoke ``kvsplit db ARGS``; stdout and stderr apart, ``output`` both (on click 8.1 and 8.2+)."""
-    try:
-        runner = CliRunner(mix_stderr=False)  # click < 8.2 mixes them by default
-    except TypeError:
-        runner = CliRunner()  # click >= 8.2 always keeps them apart
-    result = runner.invoke(db, list(args), input=input, catch_exceptions=False)
-    output = result.stdout + result.stderr
-    assert "Traceback" not in output
-    return SimpleNamespace(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr, output=output)
+    """Invoke ``kvsplit db ARGS``; no command shows a traceback."""
+    result = invoke(db, *args, input=input)
+    assert "Traceback" not in result.output
+    return result
 
 
 def test_list_table_and_filters(filled):
@@ -247,7 +242,7 @@ def test_db_goes_before_or_after_the_subcommand(filled, tmp_path, monkeypatch):
         assert result.exit_code == 0, (args, result.output)
         assert json.loads(result.stdout)["keys"] == 11
     for args in (["--db", filled, "db", "list"], ["db", "list", "--db", filled], ["db", "--db", filled, "list"]):
-        result = CliRunner().invoke(main, [*args, "--json"])
+        result = invoke(main, *args, "--json")
         assert result.exit_code == 0 and len(json.loads(result.stdout)) == 11, result.output
     assert not (tmp_path / "other.sqlite").exists()  # the last --db won, the other was never opened
 
@@ -350,9 +345,9 @@ def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(filled, m
         raise KeyError("bug")
 
     monkeypatch.setattr(store_module.Store, "query", broken)
-    plain = CliRunner().invoke(main, ["db", "list", "--db", filled])
+    plain = invoke(main, "db", "list", "--db", filled, catch=True)
     assert plain.exit_code == 1 and (plain.exception is None or isinstance(plain.exception, SystemExit))
     assert "internal error: KeyError" in plain.output and "--debug" in plain.output
     assert "Traceback" not in plain.output
-    debug = CliRunner().invoke(main, ["--debug", "db", "list", "--db", filled])
+    debug = invoke(main, "--debug", "db", "list", "--db", filled, catch=True)
     assert debug.exit_code == 1 and "Traceback" in debug.output and "KeyError" in debug.output

@@ -21,7 +21,7 @@ from itertools import count
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
+from clirun import invoke
 from dbtestlib import make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,13 +48,7 @@ _unique = count()
 
 
 def run(*args: str, input: bytes | None = None) -> SimpleNamespace:
-    try:
-        runner = CliRunner(mix_stderr=False)  # click < 8.2 mixes them by default
-    except TypeError:
-        runner = CliRunner()
-    result = runner.invoke(main, list(args), input=input, catch_exceptions=False)
-    return SimpleNamespace(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
-                           output=result.stdout + result.stderr)
+    return invoke(main, *args, input=input)
 
 
 def no_control(text: str) -> bool:

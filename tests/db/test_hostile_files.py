@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
+from clirun import invoke
 from dbtestlib import make_record
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -38,13 +38,7 @@ MAX_ERROR_LINES = 7
 
 
 def run(*args: str, input: bytes | None = None) -> SimpleNamespace:
-    try:
-        runner = CliRunner(mix_stderr=False)  # click < 8.2 mixes them by default
-    except TypeError:
-        runner = CliRunner()
-    result = runner.invoke(db, list(args), input=input, catch_exceptions=False)
-    return SimpleNamespace(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
-                           output=result.stdout + result.stderr)
+    return invoke(db, *args, input=input)
 
 
 def kvsplit_process(*args: str, stdin=None, timeout: float = 120) -> subprocess.CompletedProcess:

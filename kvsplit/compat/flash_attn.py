@@ -46,8 +46,9 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
     if out is None:
         out = torch.empty(batch, seqlen, num_heads, head_dim, dtype=dtype,
                           device=out_partial.device)
-    softmax_lse = torch.empty(batch, num_heads, seqlen, dtype=torch.float32,
-                              device=out_partial.device).transpose(1, 2)
+    # (batch, seqlen, num_heads) laid out (batch, num_heads, seqlen): one allocation, no view op
+    softmax_lse = torch.empty_strided((batch, seqlen, num_heads), (num_heads * seqlen, 1, seqlen),
+                                      dtype=torch.float32, device=out_partial.device)
     if not call_fast(_FORM, out_partial, lse_partial, out, softmax_lse):
         _check(out_partial, lse_partial, out)
         merge_call(LSE, out_partial, lse_partial, math.e, out=out, out_stats=softmax_lse,

@@ -6,6 +6,7 @@ import json
 import itertools
 import math
 import multiprocessing
+import os
 import time
 from collections import Counter
 
@@ -254,7 +255,12 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     from ..db.errors import REPAIR_HINT
     from ..dispatch import pending as pending_keys
 
+    from ..dispatch.dispatcher import pdl_enabled, read_settings
+
     _check_head_dims(head_dims, dtypes)
+    # The variables the merges read: a value they would refuse is refused here too.
+    read_settings(os.environ.get("KVSPLIT_MODE"), os.environ.get("KVSPLIT_MAX_SPLIT"))
+    pdl_enabled()
     console = Console(stderr=True)
     targets = _devices(devices)
     db_url = storing_db_url(ctx)

@@ -173,8 +173,12 @@ def _text(raw) -> str | None:
 
 
 def pdl_enabled() -> bool:
-    """Whether launches use programmatic dependent launch (``KVSPLIT_PDL=1``)."""
-    return os.environ.get("KVSPLIT_PDL", "0") == "1"
+    """Whether launches use programmatic dependent launch: ``KVSPLIT_PDL=1``; unset, empty
+    or ``0`` is off, anything else an InvalidSetting (like the other variables)."""
+    value = os.environ.get("KVSPLIT_PDL", "")
+    if value not in ("", "0", "1"):
+        raise InvalidSetting(f"KVSPLIT_PDL must be 0 or 1; got {value!r}")
+    return value == "1"
 
 
 def heuristic(num_splits: int) -> int:

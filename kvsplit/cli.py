@@ -55,14 +55,20 @@ def info(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--device", default=None, help="cuda or cpu [default: cuda when available].")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="cuda or cpu [default: cuda when available].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random attention problem.")
 @db_option
 @click.pass_context
 def demo(ctx: click.Context, device: str | None, seed: int) -> None:
     """Merge a real decode step with kv_split=None: tune at first use, store, reuse; check the result."""
+    import torch  # not at import: `kvsplit db ...` needs no torch
+
     from .demo import run
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: torch sees no CUDA device here (a CPU build of "
+                               "torch, or no GPU); run without --device to use the CPU")
     url = db_url(ctx)
     saved = os.environ.get("KVSPLIT_DB")
     if url is not None:  # the library reads the database URL from the environment

@@ -102,6 +102,9 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
             facts[name] = f"invalid: {error}"
             exit_code = 2
     facts["pdl"] = "on" if environ.get("KVSPLIT_PDL") == "1" else "off"
+    if environ.get("KVSPLIT_PDL", "") not in ("", "0", "1"):
+        facts["pdl"] = f"invalid: KVSPLIT_PDL must be 0 or 1; got {environ['KVSPLIT_PDL']!r}"
+        exit_code = 2
     if facts["pdl"] == "on" and on_gpu and not _kernel.pdl_supported(torch.cuda.current_device()):
         facts["pdl"] = "requested, but off on this GPU (compute capability 9.0 and later only)"
     try:

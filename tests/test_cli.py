@@ -117,6 +117,7 @@ def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
     ("KVSPLIT_MAX_SPLIT", "0", "max kv_split"),
     ("KVSPLIT_MAX_SPLIT", "-1", "max kv_split"),
     ("KVSPLIT_REFRESH_S", "soon", "refresh"),
+    ("KVSPLIT_PDL", "yes", "pdl"),
 ])
 def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, value, shown):
     monkeypatch.setenv(name, value)
@@ -126,11 +127,15 @@ def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, val
     assert facts[shown].startswith(f"invalid: {name} must be")
 
 
+@pytest.mark.parametrize("command", [("demo", "--device", "cpu"),
+                                     ("tune", "--head-dim", "64", "--num-splits", "2", "--rows",
+                                      "32", "--devices", "cpu")])
 @pytest.mark.parametrize(("name", "value"), [("KVSPLIT_MODE", "garbage"), ("KVSPLIT_MAX_SPLIT", "abc"),
-                                             ("KVSPLIT_MAX_SPLIT", "0")])
-def test_demo_with_an_invalid_setting_exits_2_without_a_traceback(env, monkeypatch, name, value):
+                                             ("KVSPLIT_MAX_SPLIT", "0"), ("KVSPLIT_PDL", "yes")])
+def test_demo_and_tune_with_an_invalid_setting_exit_2_without_a_traceback(env, monkeypatch, name,
+                                                                         value, command):
     monkeypatch.setenv(name, value)
-    result = kvsplit("demo", "--device", "cpu", catch=True)
+    result = kvsplit(*command, catch=True)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.exception
     assert f"Error: {name} must be" in result.stderr and "Traceback" not in result.output
 
@@ -430,3 +435,10 @@ def test_demo_tunes_once_then_a_new_process_reuses_the_stored_choice(env):
     chosen = [line for line in second.stdout.splitlines() if line.startswith("chosen config")]
     assert chosen and f"= {records[0].winner.label} " in chosen[0]
     assert len(stored(env.url)) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_demo_on_cuda_without_cuda_is_a_usage_error():
+    result = kvsplit("demo", "--device", "cuda")
+    assert result.exit_code == 2 and "torch sees no CUDA device" in result.stderr
+    assert "internal error" not in result.output

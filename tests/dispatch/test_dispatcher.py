@@ -449,6 +449,21 @@ def test_a_max_split_that_is_not_a_positive_integer_is_refused(monkeypatch, merg
         kvsplit.merge_maxsum(partial_o, stats, 1.0)
 
 
+@pytest.mark.parametrize("bad", ["yes", "on", "true", "2", " 1"])
+def test_a_pdl_setting_that_is_not_0_or_1_is_refused(monkeypatch, merge_kit, bad):
+    """Like the other variables: a value kvsplit cannot read is an error, never read as off."""
+    from kvsplit.dispatch import InvalidSetting
+
+    gen = merge_kit.generator("pdl", bad)
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)
+    monkeypatch.setenv("KVSPLIT_PDL", bad)
+    with pytest.raises(InvalidSetting, match="KVSPLIT_PDL must be 0 or 1"):
+        kvsplit.merge_maxsum(partial_o, stats, 1.0)
+    for good in ("0", "", "1"):
+        monkeypatch.setenv("KVSPLIT_PDL", good)
+        kvsplit.merge_maxsum(partial_o, stats, 1.0)
+
+
 def test_a_key_with_no_working_candidate_gets_the_heuristic_with_a_warning(monkeypatch, call, isolated,
                                                                            keys):
     def broken(key, device, **kwargs):

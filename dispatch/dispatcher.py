@@ -207,10 +207,11 @@ _ENVIRONMENT = 8
 
 
 class Dispatcher:
-    """Chooses kv_split per call; thread-safe; one per process (see :data:`dispatcher`)."""
+    """Chooses the kernel config (family and parameters) per call; thread-safe; one per process
+    (see :data:`dispatcher`)."""
 
     def __init__(self) -> None:
-        self._fast: dict[tuple, Config] = {}
+        self._fast: dict[tuple, KernelConfig] = {}
         self._decisions: dict[tuple, Decision] = {}
         self._lock = threading.RLock()
         self._key_locks: dict[object, threading.Lock] = {}

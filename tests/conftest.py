@@ -135,7 +135,7 @@ def assert_same_function(fmt, out, out_stats, base_out, base_stats):
 
 
 def expected_kv_split(kv_split, *, head_dim, elem_bytes, rows, num_splits, sm_count=None):
-    """The K a forced ``kv_split`` runs as, from SPEC section 4 (not from dispatch/)."""
+    """The K a forced ``kv_split`` runs as, from the constraints written out here (not from dispatch/)."""
     k = kv_split
     while k > 1:
         group_holds_row = (512 // k) * 16 >= head_dim * elem_bytes

@@ -1,4 +1,4 @@
-"""The ``kvsplit`` command (SPEC section 7): info, tune, and the CPU end-to-end demo.
+"""The ``kvsplit`` command: info, tune, and the CPU end-to-end demo.
 
 In process through click's CliRunner on ``kvsplit.cli.main``; the demo runs
 in subprocesses, since what it shows is that a second process reuses the
@@ -102,7 +102,7 @@ def test_info_json(env):
 
 
 def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
-    """SPEC 7: ``kvsplit info`` (device, compiled architectures, database, mode)."""
+    """``kvsplit info`` (device, compiled architectures, database, mode)."""
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
     text = kvsplit("info").stdout
     facts = json.dumps(json.loads(kvsplit("info", "--json").stdout))

@@ -1,6 +1,6 @@
 """Numerics of kvsplit.merge_maxsum / merge_lse against the float64 reference.
 
-SPEC sections 1-3 and 8. Every test runs on the CPU (the C++ twin of the
+Every test runs on the CPU (the C++ twin of the
 kernel, the same group merge) and on CUDA where it can (``device`` fixture,
 tests/conftest.py). Data is fresh random data from a generator seeded per
 test; the helpers and tolerances live in ``merge_kit``.
@@ -350,7 +350,7 @@ def test_strided_inputs_and_out(device, fmt, dtypes, kind, kv_split, merge_kit):
 
 @pytest.mark.parametrize("layout", ["odd_row_stride", "odd_split_stride", "odd_offset"])
 def test_maxsum_stats_with_any_strides(device, layout, merge_kit):
-    """SPEC 2: maxsum stats are (N, rows, 2) float32 with *any* strides.
+    """Maxsum stats are (N, rows, 2) float32 with *any* strides.
 
     So a (max, sum) pair need not start on 8 bytes (a kernel loading it as
     one float2 would fault on such a view).

@@ -1,6 +1,6 @@
 """Hypothesis properties of the merge math, on the CPU (the kernel's C++ twin).
 
-SPEC section 1: for any shape, empty splits and split counts the merge is the
+For any shape, empty splits and split counts the merge is the
 reference; the split order does not matter beyond rounding; and cutting one
 attention problem into any number of splits merges back to exact attention.
 """

@@ -1,6 +1,6 @@
 """Bad input to merge_maxsum / merge_lse: an error naming the argument, nothing written.
 
-SPEC sections 2 and 8. Every case starts from a valid call on the CPU (a
+Every case starts from a valid call on the CPU (a
 "meta" tensor serves as a cheap second device) and breaks one thing; the
 caller's ``out`` is filled with a sentinel and must come back untouched, and
 no input may change.

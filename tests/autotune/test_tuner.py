@@ -1,4 +1,4 @@
-"""autotune/tuner.py on the CPU: candidates, the winner rule, matching against K = 1 (SPEC 5).
+"""autotune/tuner.py on the CPU: candidates, the winner rule, matching against K = 1.
 
 The CPU implementation runs the same group merge as the kernel, so tune()
 really profiles every K here; only the disqualification tests replace the
@@ -67,7 +67,7 @@ def cpu_key(head_dim=64, num_splits=16, rows=8, *, dtype="bfloat16", stats_forma
 
 
 def spec_valid(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split):
-    """SPEC 4's constraints, written out: K = 1 is always valid."""
+    """The kernel's constraints, written out: K = 1 is always valid."""
     if k == 1:
         return True
     group_bytes, row_bytes = (512 // k) * 16, head_dim * elem_bytes

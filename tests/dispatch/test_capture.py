@@ -1,4 +1,4 @@
-"""First use of a shape inside CUDA-graph capture (SPEC section 5; dispatcher.py step 5).
+"""First use of a shape inside CUDA-graph capture (dispatcher.py step 5).
 
 Profiling is not allowed while a stream captures: a miss in ``auto`` mode is
 served by the heuristic (after the constraints), nothing is cached, and the

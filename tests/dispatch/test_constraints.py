@@ -1,4 +1,4 @@
-"""dispatch/constraints.py against SPEC section 4, written out independently here.
+"""dispatch/constraints.py against the kernel's constraints, written out independently here.
 
 constrain() halves K until (a) K <= max_split, (b) a group of 512 / K threads,
 16 bytes each, holds a whole row, (c) on a GPU the CTA count fits 2 CTAs per
@@ -22,7 +22,7 @@ SETTINGS = settings(max_examples=300, deadline=None, database=None)
 
 
 def spec_violations(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split):
-    """The constraints of SPEC 4 that K breaks, by the names dispatch/ uses."""
+    """The kernel constraints that K breaks, by the names dispatch/ uses."""
     group_bytes = (512 // k) * 16
     row_bytes = head_dim * elem_bytes
     broken = set()

@@ -1,4 +1,4 @@
-"""dispatch/dispatcher.py through kvsplit.merge_maxsum on the CPU (SPEC sections 4 and 5).
+"""dispatch/dispatcher.py through kvsplit.merge_maxsum on the CPU.
 
 Order of the slow path: forced K -> KVSPLIT_MODE -> tuning database ->
 shipped tables -> tune at first use (``auto``) or the heuristic (``cached``);

@@ -1,4 +1,4 @@
-"""dispatch/keys.py: the bucketing policy and the tuning key (SPEC section 4).
+"""dispatch/keys.py: the bucketing policy and the tuning key.
 
 Policy (keys.py docstring): rows are rounded up to a multiple of 1/8 of the
 power of two at or above them, at least 1; num_splits to a multiple of 1/16

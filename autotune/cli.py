@@ -267,7 +267,7 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     with open_store(db_url) as store:  # fail fast, with the store's message, on a bad database
         damage = store.damage()
     if damage:
-        warnings.warn(f"{store.url}: {len(damage)} rows do not parse; tuning goes on and re-tunes any "
+        warnings.warn(f"{store.url}: {len(damage)} row{'' if len(damage) == 1 else 's'} do not parse; tuning goes on and re-tunes any "
                       f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
     # Pending keys are profiled at their own values; a grid's at the values it names.
     keys, shapes = ((pending_keys.load(), {}) if pending

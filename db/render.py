@@ -182,7 +182,7 @@ def show_repair(out: Console, result: RepairResult) -> None:
         return
     per_table = ", ".join(f"{table} {n}" for table, n in result.quarantined.items())
     moved = f"{verb} move" if verb else "moved"
-    out.print(text(f"{moved} {result.count} rows ({per_table}) to {result.quarantine_file}"))
+    out.print(text(f"{moved} {_count(result.count, 'row')} ({per_table}) to {result.quarantine_file}"))
     for problem in result.problems:
         out.print(text(f"  {problem}"))
 
@@ -191,13 +191,21 @@ def _ago(now: datetime, then: datetime | None) -> str:
     return f"{(now - then).total_seconds():.0f} s ago" if then is not None else "-"
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def show_progress(out: Console, progress: Progress) -> None:
     """A grid's progress: the counts, who holds claims since when, what failed and why."""
+    if not progress.keys:
+        out.print(text(f"{progress.url}: no key registered by `kvsplit tune` (results of first "
+                       "use and of imports are not registered: `kvsplit db stats` counts them)"))
+        return
     out.print(text(
-        f"{progress.url}: {progress.keys} keys: {progress.done} done, {progress.claimed} claimed, "
+        f"{progress.url}: {_count(progress.keys, 'key')}: {progress.done} done, {progress.claimed} claimed, "
         f"{progress.failed} failed, {progress.left} left"
         + (f" ({progress.expired} with an expired lease, claimable)" if progress.expired else "")
-        + f"; {progress.attempts} attempts"
+        + f"; {_count(progress.attempts, 'attempt')}"
     ))
     if progress.workers:
         workers = Table(title="workers holding claims (owner = host/pid/device)", box=box.SIMPLE_HEAD)

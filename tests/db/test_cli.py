@@ -351,3 +351,12 @@ def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(filled, m
     assert "Traceback" not in plain.output
     debug = invoke(main, "--debug", "db", "list", "--db", filled, catch=True)
     assert debug.exit_code == 1 and "Traceback" in debug.output and "KeyError" in debug.output
+
+
+def test_progress_of_a_database_without_tune_says_what_it_counts(db_url):
+    """First-use results are not registered keys: progress says so instead of '0 keys'."""
+    with open_store(db_url) as store:
+        store.import_records([make_record()])
+    result = run("--db", db_url, "progress")
+    assert result.exit_code == 0
+    assert "no key registered by `kvsplit tune`" in result.stdout and "0 keys" not in result.stdout

@@ -29,6 +29,15 @@ DEFAULT_TIMEOUT_S = 30.0
 WRITE_OPTION = "kvsplit_write"
 
 
+
+# Import name of a database driver -> the package that installs it (pip's name).
+_DRIVER_PACKAGES = {
+    "psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
+    "pymysql": "PyMySQL", "mysql": "mysql-connector-python", "asyncpg": "asyncpg",
+    "pg8000": "pg8000", "oracledb": "oracledb", "pyodbc": "pyodbc", "pymssql": "pymssql",
+    "aiosqlite": "aiosqlite", "aiomysql": "aiomysql",
+}
+
 def default_url() -> str:
     """``sqlite:///`` URL of ``tuning.sqlite`` in the user cache directory."""
     return URL.create("sqlite", database=str(default_path())).render_as_string()
@@ -122,7 +131,8 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
     except ImportError as exc:
         # The dialect is known but its DBAPI module is missing: not the URL's fault.
         driver = f"{url.get_backend_name()}+{url.get_driver_name()}"
-        hint = "pip install 'psycopg[binary]'" if url.get_driver_name() == "psycopg" else f"install {exc.name or 'it'}"
+        package = _DRIVER_PACKAGES.get(exc.name or "", exc.name)
+        hint = f"pip install {package}" if package else "install the driver"
         raise StoreError(f"{shown}: the database driver for {driver} is not installed ({exc}); {hint}") from exc
     except (ArgumentError, ValueError) as exc:
         raise BadTarget(

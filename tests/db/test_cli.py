@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
@@ -360,3 +361,13 @@ def test_progress_of_a_database_without_tune_says_what_it_counts(db_url):
     result = run("--db", db_url, "progress")
     assert result.exit_code == 0
     assert "no key registered by `kvsplit tune`" in result.stdout and "0 keys" not in result.stdout
+
+
+@pytest.mark.parametrize(("url", "module", "package"), [
+    ("mysql://u@localhost/x", "MySQLdb", "mysqlclient"),
+    ("postgresql+psycopg2://u@localhost/x", "psycopg2", "psycopg2-binary"),
+])
+def test_a_missing_driver_names_the_package_to_install(monkeypatch, url, module, package):
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    result = run("--db", url, "list")
+    assert result.exit_code == 3 and f"pip install {package}" in result.stderr, result.output

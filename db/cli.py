@@ -387,17 +387,23 @@ def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_j
     type=click.Path(dir_okay=False, path_type=Path),
     default="kvsplit-tuning.png",
     show_default=True,
-    help="PNG file to write.",
+    help="File to write: .png, .svg or .pdf (its directory must exist).",
 )
 @click.pass_context
 def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
-    """Draw the winner config and its speed-up over kv_split=1 as a PNG.
+    """Draw the winner config and its speed-up over kv_split=1 (PNG, SVG or PDF).
 
     One row of two heat maps (num_splits x rows) per device, build, head dim,
     dtypes and stats format.
     """
-    from .plot import MAX_GROUPS, plot_records
+    from .plot import FORMATS, MAX_GROUPS, plot_records
 
+    if out_path.suffix.lower() not in FORMATS:
+        raise InvalidInput(f"--out {printable(out_path)}: name a {', '.join(FORMATS)} file (the "
+                           "suffix is the format written)")
+    if not out_path.parent.is_dir():
+        raise InvalidInput(f"--out {printable(out_path)}: the directory {printable(out_path.parent)} "
+                           "does not exist")
     records = _open(ctx).query(**_bucketed(filters))
     if not records:
         raise NotFound("no tuning result matches; nothing to plot")

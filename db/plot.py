@@ -35,14 +35,24 @@ def _short(config) -> str:
     return f"P{params['slices']}xK{k}" if "slices" in params else f"K{k}"
 
 
+#: File suffix -> the format written (the file is what its name says).
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+
+
+def _groups_per_row(config) -> int:
+    return config.params.get("kv_split", 1) * config.params.get("slices", 1)
+
+
 def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> int:
-    """Draw one row of two heat maps per group of keys and save a PNG.
+    """Draw one row of two heat maps per group of keys and save them (PNG, SVG or PDF, by the
+    suffix of ``out``; its directory must exist).
 
     Each group shares everything but ``num_splits`` (y axis) and ``rows``
     (x axis).  Left: the winner config, coloured by its groups per row
     (kv_split x slices, log2 scale) and labelled ``K8`` (KvSplit) or
     ``P4xK16`` (DSplit: slices x kv_split).  Right: the winner's speed-up over
-    kv_split=1 (blank where kv_split=1 was not measured).
+    kv_split=1 (blank where kv_split=1 was not measured). Each panel's colour scale is
+    shared by every group drawn.
 
     Returns
     -------
@@ -64,6 +74,12 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
         k = record.key
         groups[(k.device.label, k.build_hash, k.head_dim, k.partial_dtype, k.out_dtype, k.stats_format)].append(record)
     keys = sorted(groups)[:MAX_GROUPS]
+    # One colour scale for every group of a panel: the same colour means the same value.
+    drawn = [r for k in keys for r in groups[k]]
+    top = max(1, max(_groups_per_row(r.winner) for r in drawn))
+    winner_range = (0, max(1.0, math.log2(top)))
+    speedups = [r.speedup for r in drawn if r.speedup is not None]
+    speedup_range = (min(speedups), max(speedups)) if speedups else (None, None)
 
     fig = Figure(figsize=(13, 4.2 * len(keys)), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
@@ -77,16 +93,14 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
         speedup = [[math.nan] * len(rows) for _ in splits]
         for r in recs:
             i, j = splits.index(r.key.num_splits), rows.index(r.key.rows)
-            params = r.winner.params
-            groups_per_row = params.get("kv_split", 1) * params.get("slices", 1)
-            winner[i][j] = math.log2(groups_per_row)
+            winner[i][j] = math.log2(_groups_per_row(r.winner))
             names[i][j] = _short(r.winner)
             speedup[i][j] = r.speedup if r.speedup is not None else math.nan
         panels = (
             (row_axes[0], winner, "winner config (colour: groups per row)", "viridis",
-             lambda v, i, j: names[i][j], (0, 9)),
+             lambda v, i, j: names[i][j], winner_range),
             (row_axes[1], speedup, "speed-up over kv_split=1", "magma",
-             lambda v, i, j: f"{v:.2f}", (None, None)),
+             lambda v, i, j: f"{v:.2f}", speedup_range),
         )
         for ax, grid, title, cmap, fmt, (vmin, vmax) in panels:
             image = ax.imshow(grid, origin="lower", aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
@@ -112,10 +126,10 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
                             )
             bar = fig.colorbar(image, ax=ax, shrink=0.8)
             if ax is row_axes[0]:
-                bar.set_ticks(range(0, 10, 2), labels=[str(2 ** t) for t in range(0, 10, 2)])
+                ticks = range(0, int(winner_range[1]) + 1)
+                bar.set_ticks(ticks, labels=[str(2 ** t) for t in ticks])
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # a name in a script the font lacks: boxes, not a warning per glyph
         warnings.filterwarnings("ignore", message="Glyph .* missing from")
-        fig.savefig(out, format="png")
+        fig.savefig(out, format=FORMATS[out.suffix.lower()])
     return len(keys)

@@ -180,7 +180,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 
 def test_plot_writes_a_png(filled, tmp_path):
-    out = tmp_path / "plots" / "tuning.png"
+    out = tmp_path / "tuning.png"
     result = run("--db", filled, "plot", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "3 groups, 11 results" in result.output
@@ -190,6 +190,44 @@ def test_plot_writes_a_png(filled, tmp_path):
     assert data.endswith(b"IEND\xaeB`\x82")
     missing = run("--db", filled, "plot", "--out", str(tmp_path / "none.png"), "--device", "B200")
     assert missing.exit_code == 1 and not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("suffix, magic", [(".svg", b"<?xml"), (".pdf", b"%PDF")])
+def test_plot_writes_the_format_its_name_says(filled, tmp_path, suffix, magic):
+    out = tmp_path / f"tuning{suffix}"
+    assert run("--db", filled, "plot", "--out", str(out)).exit_code == 0
+    assert out.read_bytes().startswith(magic)
+
+
+def test_plot_refuses_a_name_it_cannot_honour(filled, tmp_path):
+    jpg = run("--db", filled, "plot", "--out", str(tmp_path / "p.jpg"))
+    assert jpg.exit_code == 2 and ".png, .svg, .pdf" in jpg.stderr
+    nowhere = run("--db", filled, "plot", "--out", str(tmp_path / "no" / "such" / "p.png"))
+    assert nowhere.exit_code == 2 and "does not exist" in nowhere.stderr
+    assert not (tmp_path / "no").exists()
+    assert not (tmp_path / "p.jpg").exists()
+
+
+def test_plot_panels_share_one_colour_scale(filled, tmp_path, monkeypatch):
+    """Every group's speed-up panel maps the same value to the same colour."""
+    from matplotlib.axes import Axes
+
+    limits = []
+    imshow = Axes.imshow
+
+    def spy(self, grid, *args, **kwargs):
+        limits.append((kwargs.get("cmap"), kwargs.get("vmin"), kwargs.get("vmax")))
+        return imshow(self, grid, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "imshow", spy)
+    assert run("--db", filled, "plot", "--out", str(tmp_path / "p.png")).exit_code == 0
+    speedups = {lim for lim in limits if lim[0] == "magma"}
+    winners = {lim for lim in limits if lim[0] == "viridis"}
+    assert len(limits) == 6 and len(speedups) == 1 and len(winners) == 1
+    (_, low, high), = speedups
+    assert low is not None and high is not None and low <= high
+    (_, _, top), = winners
+    assert top == 4  # log2 of the largest groups per row drawn (K = 16), not a fixed 512
 
 
 def test_database_problems_exit_3_with_one_line(tmp_path):

@@ -295,9 +295,10 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
                 taken_over.append((raw, detail))
             elif kind == "standings":  # the fleet's progress on this device model's keys
                 finished[detail["model"]] = detail["done"] + detail["failed"]
+                waiting = (not detail["left"] and not detail["expired"]
+                           and detail.get("claimed", 0) > 0)  # others still hold keys
                 progress.update(task, completed=len(foreign) + sum(finished.values()),
-                                description="waiting for other workers" if not detail["left"]
-                                and not detail["expired"] else "")
+                                description="waiting for other workers" if waiting else "")
 
         _run_workers(work, db_url, l2, force, lease_s, report, shapes)
     elapsed = time.perf_counter() - started

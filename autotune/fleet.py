@@ -55,7 +55,7 @@ class Heartbeat:
                                 "is stored all the same", self._claim.key.choice_key)
                     return
             except StoreError as error:  # the next renewal may get through; finish() will tell
-                log.warning("kvsplit: could not renew the claim on %s: %s", self._claim.key.choice_key, error)
+                log.warning("kvsplit: could not renew the claim on %s: %s", self._claim.key.shape_label, error)
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()
@@ -103,7 +103,7 @@ def run_worker(claims: Claims, keys: Sequence[TuningKey], tune_one: Callable[[Tu
             continue
         if claim.taken_from is not None:
             result.taken_over.append((claim.key, claim.taken_from))
-            log.info("kvsplit: took over %s from %s, whose lease ran out", claim.key.choice_key, claim.taken_from)
+            log.info("kvsplit: took over %s from %s, whose lease ran out", claim.key.shape_label, claim.taken_from)
         raw = claim.key.model_dump_json()
         with Heartbeat(claims, claim, lease_s):
             try:

@@ -260,7 +260,7 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
         try:
             reference = scratch.run(scratch.plan(BASELINE)).float().clone()
         except Exception as error:  # noqa: BLE001 - reported to the caller as one clear error
-            raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: "
+            raise NoWorkingCandidate(f"no candidate config works for {record_key.shape_label}: "
                                      f"kv_split=1, the reference, raised "
                                      f"{type(error).__name__}: {error}") from error
         timings: dict[Candidate, Timing] = {}
@@ -293,7 +293,7 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
                                            p10_us=timing.p10_us, p90_us=timing.p90_us,
                                            samples=timing.samples, matched=matched[candidate]))
     if not timings:
-        raise NoWorkingCandidate(f"no candidate config works for {record_key.choice_key}: "
+        raise NoWorkingCandidate(f"no candidate config works for {record_key.shape_label}: "
                                  f"every one raised or disagreed with kv_split=1")
     winner = pick_winner(timings, noise_margin)
     return TuningRecord(key=record_key, winner=winner,

@@ -91,11 +91,7 @@ def show_record(out: Console, record: TuningRecord) -> None:
     k, p = record.key, record.policy
     out.print(labelled("device", k.device.label))
     out.print(labelled("build", k.build_hash))
-    out.print(labelled(
-        "shape",
-        f"head_dim={k.head_dim} partial_dtype={k.partial_dtype} "
-        f"out_dtype={k.out_dtype} stats_format={k.stats_format} num_splits={k.num_splits} rows={k.rows}",
-    ))
+    out.print(labelled("shape", k.shape_label))
     out.print(labelled("winner", f"{record.winner.label}  ({_x(record.speedup)} vs kv_split=1)"))
     out.print(labelled("policy", f"l2={p.l2_state} repeats={p.repeats} noise_margin={p.noise_margin:g}"))
     out.print(labelled(

@@ -98,6 +98,13 @@ class TuningKey(_Model, frozen=True):
     rows: Positive
 
     @property
+    def shape_label(self) -> str:
+        """The key's shape with each value named (messages and logs)."""
+        return (f"head_dim={self.head_dim} partial_dtype={self.partial_dtype} "
+                f"out_dtype={self.out_dtype} stats_format={self.stats_format} "
+                f"num_splits={self.num_splits} rows={self.rows}")
+
+    @property
     def choice_key(self) -> ChoiceKey:
         """The key of :meth:`Store.load_choices`.
 

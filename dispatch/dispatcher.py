@@ -329,7 +329,7 @@ class Dispatcher:
             configs = configs_for_key(key, is_cuda=facts.is_cuda)
             log.info("kvsplit: profiling %d candidate configs%s for %s at first use "
                      "(`kvsplit tune` ahead of time, or KVSPLIT_MODE=cached, avoids this)",
-                     len(configs), " (before pruning)" if facts.is_cuda else "", key.choice_key)
+                     len(configs), " (before pruning)" if facts.is_cuda else "", key.shape_label)
             try:
                 # Profiled at this call's own shape, which the record then serves for the
                 # whole bucket.
@@ -354,7 +354,7 @@ class Dispatcher:
                     if not unstored:
                         self._unstored.pop(table_key, None)
             pending_keys.discard(key)
-            log.info("kvsplit: tuned %s -> %s", key.choice_key, record.winner.label)
+            log.info("kvsplit: tuned %s -> %s", key.shape_label, record.winner.label)
             return Decision(constrained(record.winner), "tuned", key, record)
 
     def _open_store(self, db_url: str | None):

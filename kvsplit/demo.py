@@ -64,7 +64,7 @@ def _report(partial_o: torch.Tensor, rows: int, elapsed_ms: float) -> None:
     print(f"chosen config = {decision.config.label} ({decision.source}); first call took "
           f"{elapsed_ms:.1f} ms wall clock")
     if decision.record is not None:
-        print(f"profiled the candidate configs at the key's shape {decision.key.choice_key}:")
+        print(f"profiled the candidate configs at the key's shape {decision.key.shape_label}:")
         width = max(len(c.config.label) for c in decision.record.candidates)
         for c in decision.record.candidates:
             mark = "  <- winner" if c.config == decision.record.winner else ""

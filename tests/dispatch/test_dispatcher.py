@@ -486,5 +486,6 @@ def test_a_first_use_profile_is_logged_before_it_runs(call, tuner_calls, caplog)
     with caplog.at_level(logging.INFO, logger="kvsplit.dispatch"):
         call(num_splits=16, rows=8)
     lines = [r.getMessage() for r in caplog.records if r.name == "kvsplit.dispatch"]
-    assert lines[0].startswith("kvsplit: profiling 5 candidate configs for (64, 'bfloat16'")
+    assert lines[0].startswith("kvsplit: profiling 5 candidate configs for head_dim=64 "
+                               "partial_dtype=bfloat16")
     assert "kvsplit tune" in lines[0] and len(tuner_calls.keys) == 1

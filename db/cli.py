@@ -168,17 +168,22 @@ def show(ctx: click.Context, as_json: bool, **filters: Any) -> None:
 
 
 @db.command()
-@click.option("--current-build", metavar="HASH", help="Builds other than this are stale [default: all but the newest].")
+@click.option("--current-build", metavar="HASH",
+              help="Builds other than this are stale [default: the installed builds, CUDA and CPU].")
 @_json_flag
 @db_option
 @click.pass_context
 def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
     """Keys per device, mean speed-up over kv_split=1, oldest/newest, stale builds.
 
-    The builds table also marks the installed builds (CUDA and CPU), the ones that
-    `kvsplit db prune --stale-builds` keeps by default.
+    A build is stale, as for `kvsplit db prune --stale-builds`, when it is not an
+    installed build of this kvsplit (CUDA or CPU) or, with --current-build, not that
+    one; the builds table and --json also mark the installed ones.
     """
-    result = _open(ctx).stats(current_build)
+    installed = _installed_builds()
+    result = _open(ctx).stats(current_build or installed)
+    result = result.model_copy(update={"builds": [
+        b.model_copy(update={"installed": b.build_hash in installed}) for b in result.builds]})
     if as_json:
         click.echo(to_json(result))
     else:

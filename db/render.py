@@ -133,7 +133,10 @@ def show_stats(out: Console, stats: StoreStats, installed: tuple[str, ...] = ())
             d.device.label, d.keys, _x(d.mean_speedup), _x(d.max_speedup), _when(d.oldest), _when(d.newest)
         )))
     out.print(devices)
-    rule = f"not {stats.current_build}" if stats.current_build else "all but the most recently tuned"
+    if stats.current_build and set(stats.current_build.split(",")) == set(installed):
+        rule = "not an installed build"
+    else:
+        rule = f"not {stats.current_build}" if stats.current_build else "all but the most recently tuned"
     builds = Table(title=text(f"kernel builds (stale = {rule})"))
     for name in ("build", "library version", "keys", "newest", "stale", "installed"):
         builds.add_column(name)

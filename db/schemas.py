@@ -271,13 +271,15 @@ class DeviceStats(_Model):
 
 
 class BuildStats(_Model):
-    """Per-build summary; ``stale`` as defined by :meth:`Store.stats`."""
+    """Per-build summary; ``stale`` as defined by :meth:`Store.stats`; ``installed``: the
+    build of this kvsplit (CUDA or CPU), as the command sets it."""
 
     build_hash: str
     library_version: str
     keys: int
     newest: datetime | None
     stale: bool
+    installed: bool = False
 
 
 class StoreStats(_Model):

@@ -390,11 +390,12 @@ class Store:
 
         return self._read(work)
 
-    def stats(self, current_build: str | None = None) -> StoreStats:
+    def stats(self, current_build: str | Collection[str] | None = None) -> StoreStats:
         """Keys per device, mean speed-up of the winner over kv_split=1, times, stale builds.
 
-        A build is stale if its hash differs from ``current_build``; when that is
-        ``None``, every build but the one with the most recently updated result.
+        A build is stale if its hash is not ``current_build`` (one hash or several, e.g.
+        the installed CUDA and CPU builds); when that is ``None``, every build but the
+        one with the most recently updated result.
         """
 
         def work(session: Session) -> tuple[StoreStats, list[Damage]]:
@@ -403,7 +404,9 @@ class Store:
             stale = {builds[i].build_hash for i in stale_build_ids(session, current_build) if i in builds}
             versions = {b.build_hash: b.library_version for b in builds.values()}
             records = [stored.record for stored in everything.records]
-            return summarize(self.url, records, versions, stale, current_build), everything.damage
+            named = (current_build if current_build is None or isinstance(current_build, str)
+                     else ",".join(sorted(current_build)))
+            return summarize(self.url, records, versions, stale, named), everything.damage
 
         return self._read(work)
 

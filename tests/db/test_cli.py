@@ -101,7 +101,9 @@ def test_stats_table_and_json(filled):
     # Speed-ups are 2.5 except the two kv_split=1 winners (1.0): mean (8 * 2.5 + 2 * 1) / 10.
     h200 = next(d for d in data["devices"] if d["device"]["name"] == "NVIDIA H200")
     assert h200["mean_speedup"] == pytest.approx(2.2)
-    assert {b["build_hash"]: b["stale"] for b in data["builds"]} == {"build-a": True, "build-b": False}
+    # Stale as prune --stale-builds reads it: neither is an installed build.
+    assert {b["build_hash"]: (b["stale"], b["installed"]) for b in data["builds"]} == {
+        "build-a": (True, False), "build-b": (True, False)}
     current = json.loads(run("--db", filled, "stats", "--current-build", "build-a", "--json").stdout)
     assert {b["build_hash"]: b["stale"] for b in current["builds"]} == {"build-a": False, "build-b": True}
 
@@ -303,7 +305,10 @@ def test_prune_stale_builds_keeps_the_installed_build_by_default(filled):
     with open_store(filled) as store:
         store.upsert(make_record(build_hash=installed, rows=3))
     stats = run("--db", filled, "stats")
-    assert "installed" in stats.stdout
+    assert "installed" in stats.stdout and "stale = not an installed build" in stats.stdout
+    builds = json.loads(run("--db", filled, "stats", "--json").stdout)["builds"]
+    assert {b["build_hash"]: (b["stale"], b["installed"]) for b in builds} == {
+        "build-a": (True, False), "build-b": (True, False), installed: (False, True)}
     result = json.loads(run("--db", filled, "prune", "--stale-builds", "--json").stdout)
     assert result["count"] == 11  # build-a and build-b, although build-b was tuned last
     assert [r["key"]["build_hash"] for r in json.loads(run("--db", filled, "list", "--json").stdout)] == [installed]

@@ -38,12 +38,14 @@ def test_a_dropped_candidate_that_was_fastest_is_the_regret():
     assert result["worst"] == (pytest.approx(1.0), record.key)
 
 
-def test_the_shipped_tables_replay_within_the_documented_regret():
-    """The rule in autotune/tuner.py, against what the shipped tables timed (docstring figures)."""
+def test_the_rule_keeps_every_shipped_winner_within_its_candidate_budget():
+    """The rule in autotune/tuner.py against the shipped tables: every stored winner is among
+    the candidates the rule keeps for its key (a rule that dropped one would give up that
+    key's speed), and no key keeps more than 25. (A regret replay of these tables says
+    nothing: they were tuned with this rule, so they timed no candidate it drops.)"""
     records = [r for path in sorted(SHIPPED.parent.glob("*.json")) for r in read_export(path)]
-    result = replay_pruning.replay(records)
-    # Candidates a table never timed (none, for tables tuned with the present rule) are
-    # unknown; the replay judges the rule by the ones that were timed.
-    assert result["records"] == len(records) and result["unknown"] < sum(result["kept"]) / 4
-    assert max(result["kept"]) <= 25
-    assert max(result["regrets"]) < 0.02
+    assert records
+    for record in records:
+        kept = prune(configs_for_key(record.key, is_cuda=True), record.key)
+        assert record.winner in kept, (record.key.shape_label, record.winner.label)
+        assert len(kept) <= 25, record.key.shape_label

@@ -11,14 +11,11 @@ Typical use::
     choices = store.load_choices(device, build_hash)
 """
 
+import importlib
+
 from ..config import FAMILIES, KernelConfig
 from ..config import check_params as check_config
-from .claims import Claim, Claims, Step
-from .connect import open_store, open_store_for_library, open_store_for_repair
-from .decode import Damage
-from .engine import DEFAULT_TIMEOUT_S, ENV_VAR, default_url, resolve_url
 from .errors import DamagedRows, DbWarning, InvalidExportError, NoDatabase, SchemaDamaged, SchemaTooNew, StoreError
-from .migrate import head_revision
 from .schemas import (
     BASELINE,
     BuildStats,
@@ -39,8 +36,28 @@ from .schemas import (
     TuningRecord,
     WorkerProgress,
 )
-from .store import Store
 from .transfer import dump_export, make_export, parse_export, read_export
+
+# The store's side (SQLAlchemy, Alembic) is imported at its first use, not with the
+# package: a process whose merges find their configs elsewhere never loads it.
+_STORE_SIDE = {
+    "Claim": "claims", "Claims": "claims", "Step": "claims",
+    "open_store": "connect", "open_store_for_library": "connect", "open_store_for_repair": "connect",
+    "Damage": "decode",
+    "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine", "default_url": "engine", "resolve_url": "engine",
+    "head_revision": "migrate",
+    "Store": "store",
+}
+
+
+def __getattr__(name: str):
+    module = _STORE_SIDE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BASELINE",

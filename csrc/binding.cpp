@@ -143,17 +143,21 @@ PYBIND11_MODULE(_ext, m) {
   m.attr("STATS_FORMATS") = py::dict(py::arg("maxsum") = static_cast<int>(StatsFormat::kMaxSum),
                                      py::arg("lse") = static_cast<int>(StatsFormat::kLse));
   m.attr("FAMILIES") = py::dict(py::arg("kvsplit") = static_cast<int>(Family::kKvSplit),
-                                py::arg("dsplit") = static_cast<int>(Family::kDSplit));
-  // Each family's parameters and their legal values; a KvSplit config has
-  // slices 1 and depth kKvSplitLoadDepth (the defaults of KernelConfig).
+                                py::arg("dsplit") = static_cast<int>(Family::kDSplit),
+                                py::arg("few") = static_cast<int>(Family::kFew));
+  // Each family's parameters and their legal values; a family's other fields
+  // take the defaults of KernelConfig (KvSplit: slices 1, depth
+  // kKvSplitLoadDepth, vectors 1; Few: slices 1, kv_split 1, that depth).
   m.attr("FAMILY_PARAMS") = py::dict(
       py::arg("kvsplit") = py::dict(py::arg("kv_split") = values_of<kvsplit::KvSplitKvSplits>()),
       py::arg("dsplit") = py::dict(py::arg("depth") = values_of<kvsplit::DsplitDepths>(),
                                    py::arg("kv_split") = values_of<kvsplit::DsplitKvSplits>(),
-                                   py::arg("slices") = values_of<kvsplit::DsplitSlices>()));
+                                   py::arg("slices") = values_of<kvsplit::DsplitSlices>()),
+      py::arg("few") = py::dict(py::arg("vectors") = values_of<kvsplit::FewVectors>()));
   m.attr("CONFIG_DEFAULTS") = py::dict(py::arg("slices") = KernelConfig{}.slices,
                                        py::arg("kv_split") = KernelConfig{}.kv_split,
-                                       py::arg("depth") = KernelConfig{}.depth);
+                                       py::arg("depth") = KernelConfig{}.depth,
+                                       py::arg("vectors") = KernelConfig{}.vectors);
   py::list pairs;
   for (const auto& [in_name, in] : dtypes) {
     for (const auto& [out_name, out] : dtypes) {
@@ -171,23 +175,41 @@ PYBIND11_MODULE(_ext, m) {
       py::arg("dsplit_min_lanes") = kvsplit::kDsplitMinLanes,
       py::arg("dsplit_max_lanes") = kvsplit::kDsplitMaxLanes,
       py::arg("dsplit_min_threads") = kvsplit::kDsplitMinThreads,
-      py::arg("dsplit_max_threads") = kvsplit::kDsplitMaxThreads);
+      py::arg("dsplit_max_threads") = kvsplit::kDsplitMaxThreads,
+      py::arg("few_max_loads") = kvsplit::kFewMaxLoads,
+      py::arg("few_min_cta_threads") = kvsplit::kFewMinCtaThreads,
+      py::arg("few_max_cta_threads") = kvsplit::kFewMaxCtaThreads);
   py::dict errors;
   for (const auto& [error, names] : error_names()) errors[py::int_(static_cast<int>(error))] = names.first;
   m.attr("ERRORS") = errors;
 
   m.def(
       "check_config",
-      [](int family, int slices, int kv_split, int depth, int head_dim, int elem_bytes) {
+      [](int family, int slices, int kv_split, int depth, int vectors, int head_dim,
+         int elem_bytes) {
         const Status status = kvsplit::check_config(
-            KernelConfig{static_cast<Family>(family), slices, kv_split, depth}, head_dim,
+            KernelConfig{static_cast<Family>(family), slices, kv_split, depth, vectors}, head_dim,
             elem_bytes);
         return static_cast<int>(status.error);
       },
       "0 if the kernel layer can run the config on rows of head_dim partials of elem_bytes "
       "bytes, else the error code (a key of ERRORS)",
       py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"),
-      py::arg("head_dim"), py::arg("elem_bytes"));
+      py::arg("vectors"), py::arg("head_dim"), py::arg("elem_bytes"));
+  m.def(
+      "check_call_rules",
+      [](int family, int slices, int kv_split, int depth, int vectors, int head_dim,
+         int elem_bytes, bool stats_in_place, int quant_group) {
+        const Status status = kvsplit::check_call_rules(
+            KernelConfig{static_cast<Family>(family), slices, kv_split, depth, vectors}, head_dim,
+            elem_bytes, stats_in_place, quant_group);
+        return static_cast<int>(status.error);
+      },
+      "0 if a call with an in-place stats export and/or per-group FP8 scales of quant_group "
+      "elements (0: none) may run the config, else the error code (a key of ERRORS)",
+      py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"),
+      py::arg("vectors"), py::arg("head_dim"), py::arg("elem_bytes"), py::arg("stats_in_place"),
+      py::arg("quant_group"));
   m.def("head_dim_supported", &kvsplit::head_dim_supported,
         "Whether rows of head_dim elements of elem_bytes bytes are whole 16-byte vectors, "
         "1..MAX_HEAD_DIM elements",
@@ -201,6 +223,21 @@ PYBIND11_MODULE(_ext, m) {
   m.def("dsplit_lanes", &kvsplit::dsplit_lanes,
         "Threads per DSplit group, or 0 when head_dim / slices is not a legal slice",
         py::arg("head_dim"), py::arg("elem_bytes"), py::arg("slices"));
+  m.def("few_threads_per_row", &kvsplit::few_threads_per_row,
+        "Threads per row of a Few config of `vectors` vectors a thread, or 0 when not legal",
+        py::arg("head_dim"), py::arg("elem_bytes"), py::arg("vectors"));
+  m.def("few_depth", &kvsplit::few_depth,
+        "States a Few thread of `vectors` vectors loads per round in a call of num_splits",
+        py::arg("num_splits"), py::arg("vectors"));
+  m.def(
+      "few_launch",
+      [](int lanes, int64_t rows, int sm_count) {
+        const kvsplit::FewLaunch launch = kvsplit::make_few_launch(lanes, rows, sm_count);
+        return py::make_tuple(launch.cta_threads, launch.ctas, launch.rows_per_pass);
+      },
+      "(threads per CTA, CTAs, rows per pass of the grid) of a Few launch of rows of `lanes` "
+      "threads on sm_count SMs",
+      py::arg("lanes"), py::arg("rows"), py::arg("sm_count"));
 
   // -- the parameter object -------------------------------------------------------------
   py::class_<MergeParams> params(m, "MergeParams");
@@ -233,14 +270,16 @@ PYBIND11_MODULE(_ext, m) {
   def_enum_field(params, "stats_format", &MergeParams::stats_format);
 
   py::class_<KernelConfig>(m, "KernelConfig")
-      .def(py::init([](int family, int slices, int kv_split, int depth) {
-             return KernelConfig{static_cast<Family>(family), slices, kv_split, depth};
+      .def(py::init([](int family, int slices, int kv_split, int depth, int vectors) {
+             return KernelConfig{static_cast<Family>(family), slices, kv_split, depth, vectors};
            }),
-           py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"))
+           py::arg("family"), py::arg("slices"), py::arg("kv_split"), py::arg("depth"),
+           py::arg("vectors") = 1)
       .def_property_readonly("family", [](const KernelConfig& c) { return static_cast<int>(c.family); })
       .def_readonly("slices", &KernelConfig::slices)
       .def_readonly("kv_split", &KernelConfig::kv_split)
-      .def_readonly("depth", &KernelConfig::depth);
+      .def_readonly("depth", &KernelConfig::depth)
+      .def_readonly("vectors", &KernelConfig::vectors);
 
   py::class_<CudaTarget>(m, "CudaTarget")
       .def(py::init<>())

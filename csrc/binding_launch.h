@@ -45,6 +45,10 @@ inline const std::map<Error, std::pair<const char*, const char*>>& error_names()
       {Error::kCuda, {"cuda", "cuda"}},
       {Error::kQuantGroup, {"quant_group", "quant_group (64 or 128, dividing head_dim, FP8 out)"}},
       {Error::kSplitRange, {"split_range", "split range (pass-through split or indptr)"}},
+      {Error::kVectors,
+       {"vectors", "vectors (1, 2 or 4 of a row per thread, no step of a row empty; in "
+                   "place: a row's threads in one warp; per-group scales: whole groups per "
+                   "step)"}},
   };
   return names;
 }

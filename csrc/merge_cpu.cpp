@@ -1,8 +1,11 @@
 // The CPU implementation: the same algorithm as the CUDA kernels, one row at a
-// time, one 16-byte vector of it at a time as a kernel thread holds it. K groups each merge every K-th partial and are combined in the order
-// of the chosen family's kernel (see merge_group and combine_groups), so that
-// both families' group merges are tested on machines without a GPU. A
-// DSplit slice is a column range of the same element-wise merge.
+// time, one 16-byte vector of it at a time as a kernel thread holds it. K
+// groups each merge every K-th partial and are combined in the order of the
+// chosen family's kernel (see merge_group and combine_groups), so that every
+// family's order of combination is tested on machines without a GPU. A
+// DSplit slice is a column range of the same element-wise merge; a Few
+// thread's vectors are merged as one group (the weights depend only on the
+// stats, so each vector's sums are those of a one-vector thread).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -99,9 +102,9 @@ void merge_batch_at(MergeState<kVec>& state, const MergeParams& p, StatsFormat f
 }
 
 // One group's walk over partials begin + group, begin + group + K, ... of
-// one vector: the KvSplit kernel's padded batches of 4, or the DSplit
-// kernel's exact trip count (the remainder of count / depth first, then
-// rounds of depth).
+// one vector: the KvSplit kernel's padded batches of 4, the Few kernel's
+// padded rounds of few_depth (K = 1), or the DSplit kernel's exact trip
+// count (the remainder of count / depth first, then rounds of depth).
 template <DType kPartial, int kVec>
 void merge_group(MergeState<kVec>& state, const MergeParams& p, const KernelConfig& config,
                  const RowIndex& row, int col, int group, const SplitRange& splits) {
@@ -117,12 +120,21 @@ void merge_group(MergeState<kVec>& state, const MergeParams& p, const KernelConf
     }
     return;
   }
+  Status status;  // config checked by merge_cpu: the depth is a legal one
+  if (config.family == Family::kFew) {
+    KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
+      for (int j0 = 0; j0 < count; j0 += kDepth) {
+        merge_batch_at<kDepth, kPartial>(state, p, format, row, col, start + j0, 1, count - j0,
+                                         last);
+      }
+    })
+    return;
+  }
   const int depth = config.depth;
   const int first = count - (count - 1) / depth * depth;
   KVSPLIT_DISPATCH_FIRST_ROUND(first, kDsplitMaxDepth, kFirst, {
     merge_batch_at<kFirst, kPartial>(state, p, format, row, col, start, k, kFirst, last);
   })
-  Status status;  // config checked by merge_cpu: the depth is a legal one
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(depth, kDepth, status, {
     for (int done = first; done < count; done += kDepth) {
       merge_batch_at<kDepth, kPartial>(state, p, format, row, col, start + int64_t{done} * k, k,
@@ -146,15 +158,15 @@ void butterfly(std::vector<MergeState<kVec>>& states, int base, int width, float
 }
 
 // Folds the groups into groups[0] in the kernel's order. KvSplit: group 0
-// adds 1..K-1 in turn. DSplit: a butterfly among the groups of each warp;
-// with several warps, position q of warp 0 folds the totals of warps q,
-// q + G, ... (G groups per warp) into an empty state, and a butterfly joins
-// the positions.
+// adds 1..K-1 in turn (a Few row is one group). DSplit: a butterfly among
+// the groups of each warp; with several warps, position q of warp 0 folds
+// the totals of warps q, q + G, ... (G groups per warp) into an empty state,
+// and a butterfly joins the positions.
 template <int kVec>
 void combine_groups(std::vector<MergeState<kVec>>& groups, const KernelConfig& config,
                     int lanes, float scale) {
   const int k = config.kv_split;
-  if (config.family == Family::kKvSplit) {
+  if (config.family != Family::kDSplit) {
     for (int g = 1; g < k; ++g) groups[0].combine(groups[g].m, groups[g].l, groups[g].acc, 1, scale);
     return;
   }

@@ -131,12 +131,13 @@ def check_params(family: str, params: Mapping[str, Any]) -> None:
 class KernelConfig:
     """What the kernel runs: a family and its integer parameters, e.g. ``kvsplit(kv_split=4)``.
 
-    Immutable and hashable. ``slices``, ``kv_split`` and ``depth`` are the
-    fields of the C++ config (a family's missing parameters take
+    Immutable and hashable. ``slices``, ``kv_split``, ``depth`` and ``vectors``
+    are the fields of the C++ config (a family's missing parameters take
     :data:`CONFIG_DEFAULTS`); ``params`` is what the database stores.
     """
 
-    __slots__ = ("family", "slices", "kv_split", "depth", "family_code", "_params", "_hash")
+    __slots__ = ("family", "slices", "kv_split", "depth", "vectors", "family_code", "_params",
+                 "_hash")
 
     def __init__(self, family: str = BASELINE_FAMILY, params: Mapping[str, int] | None = None):
         params = {} if params is None else params
@@ -150,6 +151,7 @@ class KernelConfig:
         set_(self, "slices", fields["slices"])
         set_(self, "kv_split", fields["kv_split"])
         set_(self, "depth", fields["depth"])
+        set_(self, "vectors", fields["vectors"])
         set_(self, "_params", tuple(sorted(params.items())))
         set_(self, "_hash", hash((family, self._params)))
 
@@ -163,6 +165,12 @@ class KernelConfig:
         """The DSplit family config: ``slices`` CTAs per row, ``kv_split`` groups, ``depth`` per round."""
         return cls("dsplit", {"depth": depth, "kv_split": kv_split, "slices": slices})
 
+    @classmethod
+    def few(cls, vectors: int = 1) -> KernelConfig:
+        """The Few family config: ``vectors`` 16-byte vectors of a row per thread, each
+        thread merging every state of them (its rounds' depth: :func:`few_depth`)."""
+        return cls("few", {"vectors": vectors})
+
     @property
     def params(self) -> dict[str, int]:
         """The family's parameters (a fresh dict)."""
@@ -175,7 +183,8 @@ class KernelConfig:
 
     def native(self):
         """The C++ ``KernelConfig`` of the binding."""
-        return _ext.KernelConfig(self.family_code, self.slices, self.kv_split, self.depth)
+        return _ext.KernelConfig(self.family_code, self.slices, self.kv_split, self.depth,
+                                 self.vectors)
 
     def __setattr__(self, name, value):
         raise AttributeError("KernelConfig is immutable")
@@ -232,7 +241,17 @@ def check(config: KernelConfig, head_dim: int, elem_bytes: int) -> str | None:
     """The name of the kernel-layer rule that ``config`` breaks on rows of ``head_dim``
     partials of ``elem_bytes`` bytes, or None."""
     error = _ext.check_config(config.family_code, config.slices, config.kv_split, config.depth,
-                              head_dim, elem_bytes)
+                              config.vectors, head_dim, elem_bytes)
+    return ERRORS[error] if error else None
+
+
+def check_call(config: KernelConfig, head_dim: int, elem_bytes: int, *, stats_in_place: bool,
+               quant_group: int = 0) -> str | None:
+    """The name of the rule that a call's in-place stats export or per-group FP8 scales of
+    ``quant_group`` elements (0: none) add and ``config`` breaks, or None."""
+    error = _ext.check_call_rules(config.family_code, config.slices, config.kv_split,
+                                  config.depth, config.vectors, head_dim, elem_bytes,
+                                  stats_in_place, quant_group)
     return ERRORS[error] if error else None
 
 
@@ -244,6 +263,23 @@ def kvsplit_rows_per_band(head_dim: int, elem_bytes: int, kv_split: int) -> int:
 def dsplit_slice_elems(head_dim: int, elem_bytes: int, slices: int) -> int:
     """Elements of a DSplit slice of a row (the last may be shorter; 0: not legal)."""
     return _ext.dsplit_slice_vectors(head_dim, elem_bytes, slices) * 16 // elem_bytes
+
+
+def few_threads_per_row(head_dim: int, elem_bytes: int, vectors: int) -> int:
+    """Threads per row of a Few config of ``vectors`` vectors a thread (0: not legal)."""
+    return _ext.few_threads_per_row(head_dim, elem_bytes, vectors)
+
+
+def few_depth(num_splits: int, vectors: int) -> int:
+    """States a Few thread of ``vectors`` vectors loads per round in a call of
+    ``num_splits`` states (the call's order of combination)."""
+    return _ext.few_depth(num_splits, vectors)
+
+
+def few_launch(lanes: int, rows: int, sm_count: int) -> tuple[int, int, int]:
+    """(threads per CTA, CTAs, rows per pass of the grid) of a Few launch of ``rows`` rows
+    of ``lanes`` threads on ``sm_count`` SMs."""
+    return tuple(_ext.few_launch(lanes, rows, sm_count))
 
 
 def legal_configs(head_dim: int, elem_bytes: int, families: tuple[str, ...] = tuple(FAMILIES)):

@@ -15,6 +15,9 @@ Status launch_kvsplit_typed(const MergeParams& p, const KernelConfig& config, in
 template <DType kPartial, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
                            cudaStream_t stream);
+template <DType kPartial, StatsFormat kFormat>
+Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
+                        cudaStream_t stream);
 
 namespace {
 
@@ -59,8 +62,11 @@ Status merge_cuda(const MergeParams& call, const KernelConfig& config, const Cud
         if constexpr (kFamily == Family::kKvSplit) {
           status = launch_kvsplit_typed<kPartial, kFormat>(p, config, target.sm_count, target.pdl,
                                                            stream);
-        } else {
+        } else if constexpr (kFamily == Family::kDSplit) {
           status = launch_dsplit_typed<kPartial, kFormat>(p, config, target.pdl, stream);
+        } else {
+          status = launch_few_typed<kPartial, kFormat>(p, config, target.sm_count, target.pdl,
+                                                       stream);
         }
       })
     })

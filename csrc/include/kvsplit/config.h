@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kvsplit/dsplit_geometry.h"
+#include "kvsplit/few_geometry.h"
 #include "kvsplit/host_device.h"
 
 namespace kvsplit {
@@ -29,6 +30,7 @@ enum class StatsFormat : int32_t {
 enum class Family : int32_t {
   kKvSplit = 0,  // merge_kvsplit.cuh: whole rows per group, kv_split groups per CTA
   kDSplit = 1,   // merge_dsplit.cuh: a row's head dim split across `slices` CTAs
+  kFew = 2,      // merge_few.cuh: every state of `vectors` vectors of a row in one thread
 };
 
 // A compile-time list of legal values: the dispatch macros instantiate one
@@ -55,7 +57,17 @@ using DsplitSlices = IntList<1, 2, 4, 8, 16>;
 using DsplitKvSplits = IntList<1, 2, 4, 8, 16, 32, 64, 128>;
 using DsplitDepths = IntList<4, 8, 16>;
 constexpr int kDsplitMaxDepth = 16;  // the largest of DsplitDepths: a first round's bound
+// Few: 16-byte vectors of a row per thread (the family's one parameter), and
+// the states a round loads, few_depth of the call (few_geometry.h): one
+// kernel per pair that few_loads_fit.
+using FewVectors = IntList<1, 2, 4>;
+using FewDepths = IntList<2, 4, 8, 16>;
+static_assert(FewDepths::values[0] == kFewMinDepth &&
+                  FewDepths::values[FewDepths::size - 1] == kFewMaxDepth &&
+                  FewDepths::size == 4,
+              "few_depth returns the powers of two of FewDepths");
 constexpr int kBytesPerThread = 16;
+static_assert(kFewVectorBytes == kBytesPerThread, "a Few thread loads 16 bytes a vector");
 
 KVSPLIT_HOST_DEVICE constexpr bool is_partial_dtype(DType dtype) {
   return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
@@ -86,12 +98,15 @@ KVSPLIT_HOST_DEVICE constexpr bool head_dim_supported(int head_dim, int elem_byt
 using QuantGroups = IntList<64, 128>;
 
 // What the kernel runs: a family and its parameters. KvSplit uses kv_split
-// alone (slices 1, depth kKvSplitLoadDepth).
+// alone (slices 1, depth kKvSplitLoadDepth, vectors 1); Few uses vectors
+// alone (slices 1, kv_split 1, depth kKvSplitLoadDepth: its rounds' depth
+// is few_depth of the call).
 struct KernelConfig {
   Family family = Family::kKvSplit;
   int32_t slices = 1;    // DSplit: CTAs per row
   int32_t kv_split = 1;  // groups per CTA, each merging every kv_split-th partial
   int32_t depth = kKvSplitLoadDepth;  // DSplit: partials loaded per round, 4, 8 or 16
+  int32_t vectors = 1;   // Few: 16-byte vectors of a row per thread
 };
 
 // Why a launch did not happen. `detail` carries the offending value, or the
@@ -111,6 +126,8 @@ enum class Error : int32_t {
   kCuda,           // a CUDA call failed
   kQuantGroup,     // per-group FP8 scales: group not in QuantGroups or not dividing head_dim
   kSplitRange,     // pass-through split out of range, or indptr with split_counts
+  kVectors,        // Few: vectors not legal (or a step of every row empty); or a call's
+                   // rule (in place, per-group scales) broken
 };
 
 struct Status {
@@ -132,6 +149,9 @@ KVSPLIT_HOST_DEVICE constexpr int kvsplit_rows_per_band(int head_dim, int elem_b
 KVSPLIT_HOST_DEVICE constexpr Status check_config(const KernelConfig& config, int head_dim,
                                                   int elem_bytes) {
   if (!head_dim_supported(head_dim, elem_bytes)) return fail(Error::kHeadDim, head_dim);
+  if (config.family != Family::kFew && config.vectors != 1) {
+    return fail(Error::kVectors, config.vectors);
+  }
   if (config.family == Family::kKvSplit) {
     if (!KvSplitKvSplits::contains(config.kv_split)) return fail(Error::kKvSplit, config.kv_split);
     if (config.slices != 1) return fail(Error::kSlices, config.slices);
@@ -151,6 +171,16 @@ KVSPLIT_HOST_DEVICE constexpr Status check_config(const KernelConfig& config, in
     const int threads = lanes * config.kv_split;
     if (threads < kDsplitMinThreads || threads > kDsplitMaxThreads) {
       return fail(Error::kCtaThreads, config.kv_split);
+    }
+    return Status{};
+  }
+  if (config.family == Family::kFew) {
+    if (config.slices != 1) return fail(Error::kSlices, config.slices);
+    if (config.kv_split != 1) return fail(Error::kKvSplit, config.kv_split);
+    if (config.depth != KernelConfig{}.depth) return fail(Error::kDepth, config.depth);
+    if (!FewVectors::contains(config.vectors) ||
+        few_threads_per_row(head_dim, elem_bytes, config.vectors) < 1) {
+      return fail(Error::kVectors, config.vectors);
     }
     return Status{};
   }

@@ -1,4 +1,4 @@
-// Device helpers shared by both kernel families: dtype mapping, 16-byte
+// Device helpers shared by the kernel families: dtype mapping, 16-byte
 // packed loads and stores, a row's output epilogue, and programmatic
 // dependent launch.
 #pragma once
@@ -206,6 +206,37 @@ __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVe
   for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse, limit);
 }
 
+// A row's sink logit in base 2, or -inf: no sinks, a row not stored, or a
+// pass-through row (which takes no sink).
+__device__ __forceinline__ float row_sink_log2(const MergeParams& p, const RowIndex& at,
+                                               bool active, bool pass) {
+  return p.sinks != nullptr && active && !pass ? __ldg(p.sinks + row_head(p, at)) * kLog2E
+                                               : neg_inf();
+}
+
+// Exports a merged row's stats in the call's format, from `total` and
+// `log2_rel` of state.finalize; a pass-through row's raw stats
+// (`pass_stats`) as they are.
+template <StatsFormat kFormat, int kVec>
+__device__ __forceinline__ void export_stats(const MergeParams& p, const MergeState<kVec>& state,
+                                             const RowIndex& at, float total, float sink_log2,
+                                             float log2_rel, const float* pass_stats) {
+  float* stats = p.out_stats + p.out_stats_row.at(at);
+  if (pass_stats != nullptr) {
+    if constexpr (kFormat == StatsFormat::kMaxSum) {
+      stats[0] = pass_stats[0] * (p.log2_scale * p.export_scale);  // the merge's unit
+      stats[1] = pass_stats[1];
+    } else {
+      stats[0] = pass_stats[0];
+    }
+  } else if constexpr (kFormat == StatsFormat::kMaxSum) {
+    stats[0] = state.m * (p.log2_scale * p.export_scale);
+    stats[1] = total;
+  } else {
+    stats[0] = state.exported_log2_total(sink_log2, p.log2_scale, log2_rel, p.export_scale);
+  }
+}
+
 // The last step for one row, by the threads holding its merged state: adds
 // the sink, normalises, stores 16 bytes of partials' worth of output per
 // thread and, from the thread at column 0, exports the row's stats in the
@@ -220,29 +251,14 @@ __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
                                                    const RowIndex& at, int col, bool active,
                                                    unsigned mask, float out_scale,
                                                    const float* pass_stats = nullptr) {
-  const float sink_log2 = p.sinks != nullptr && active && pass_stats == nullptr
-                              ? __ldg(p.sinks + row_head(p, at)) * kLog2E
-                              : neg_inf();
+  const float sink_log2 = row_sink_log2(p, at, active, pass_stats != nullptr);
   float out[kVec], log2_rel;
   const float total = state.finalize(sink_log2, p.log2_scale, out, log2_rel);
   if (is_fp8(p.out_dtype)) scale_fp8(p, out, at, col, active, mask, out_scale);
   if (!active) return;
   store_any(p.out_dtype, p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {
-    float* stats = p.out_stats + p.out_stats_row.at(at);
-    if (pass_stats != nullptr) {
-      if constexpr (kFormat == StatsFormat::kMaxSum) {
-        stats[0] = pass_stats[0] * (p.log2_scale * p.export_scale);  // the merge's unit
-        stats[1] = pass_stats[1];
-      } else {
-        stats[0] = pass_stats[0];
-      }
-    } else if constexpr (kFormat == StatsFormat::kMaxSum) {
-      stats[0] = state.m * (p.log2_scale * p.export_scale);
-      stats[1] = total;
-    } else {
-      stats[0] = state.exported_log2_total(sink_log2, p.log2_scale, log2_rel, p.export_scale);
-    }
+    export_stats<kFormat>(p, state, at, total, sink_log2, log2_rel, pass_stats);
   }
 }
 

@@ -34,6 +34,13 @@ bool dispatch_int(IntList<kValues...>, int value, Body&& body) {
 #define KVSPLIT_DISPATCH_DSPLIT_DEPTH(depth, DEPTH, STATUS, ...) \
   KVSPLIT_DISPATCH_LIST(::kvsplit::DsplitDepths, depth, DEPTH, STATUS, ::kvsplit::Error::kDepth, __VA_ARGS__)
 
+#define KVSPLIT_DISPATCH_FEW_DEPTH(depth, DEPTH, STATUS, ...) \
+  KVSPLIT_DISPATCH_LIST(::kvsplit::FewDepths, depth, DEPTH, STATUS, ::kvsplit::Error::kDepth, __VA_ARGS__)
+
+#define KVSPLIT_DISPATCH_FEW_VECTORS(vectors, VECTORS, STATUS, ...)                        \
+  KVSPLIT_DISPATCH_LIST(::kvsplit::FewVectors, vectors, VECTORS, STATUS,                   \
+                        ::kvsplit::Error::kVectors, __VA_ARGS__)
+
 #define KVSPLIT_CASE(VALUE, NAME, ...) \
   case VALUE: {                        \
     constexpr auto NAME = VALUE;       \
@@ -45,6 +52,7 @@ bool dispatch_int(IntList<kValues...>, int value, Body&& body) {
   switch (family) {                                                                  \
     KVSPLIT_CASE(::kvsplit::Family::kKvSplit, FAMILY, __VA_ARGS__)                   \
     KVSPLIT_CASE(::kvsplit::Family::kDSplit, FAMILY, __VA_ARGS__)                    \
+    KVSPLIT_CASE(::kvsplit::Family::kFew, FAMILY, __VA_ARGS__)                       \
     default: STATUS = ::kvsplit::fail(::kvsplit::Error::kFamily, static_cast<int>(family)); \
   }
 

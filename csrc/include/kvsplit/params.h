@@ -208,19 +208,39 @@ KVSPLIT_HOST_DEVICE constexpr Status check_problem(const MergeParams& p) {
   return Status{};
 }
 
-// The rules a call adds to its config's: an in-place stats export needs
-// every row inside one CTA, and a DSplit slice must hold whole groups of
-// per-group FP8 scales (whose maximum one group of lanes reduces).
-KVSPLIT_HOST_DEVICE constexpr Status check_call(const MergeParams& p, const KernelConfig& config) {
-  if (p.stats_in_place && config.family == Family::kDSplit && config.slices != 1) {
-    return fail(Error::kSlices, config.slices);
+// The rules a call adds to its config's, from the call's facts alone
+// (`quant_group` 0: no per-group FP8 scales), so that the dispatcher can
+// mend a config before any launch. An in-place stats export needs each row's
+// reads done before its export: a DSplit row in one CTA (slices 1), a Few
+// row's threads in one warp (L dividing 32). Per-group FP8 scales are
+// reduced by shuffles over the lanes of one group: a DSplit slice must hold
+// whole groups, and a Few step of a row (L threads) must too.
+KVSPLIT_HOST_DEVICE constexpr Status check_call_rules(const KernelConfig& config, int head_dim,
+                                                      int elem_bytes, bool stats_in_place,
+                                                      int quant_group) {
+  if (config.family == Family::kDSplit && config.slices != 1) {
+    if (stats_in_place) return fail(Error::kSlices, config.slices);
+    if (quant_group > 0 && dsplit_slice_vectors(head_dim, elem_bytes, config.slices) *
+                                   kDsplitLaneBytes / elem_bytes % quant_group != 0) {
+      return fail(Error::kSlices, config.slices);
+    }
   }
-  if (p.group_scales != nullptr && config.family == Family::kDSplit && config.slices != 1 &&
-      dsplit_slice_vectors(p.head_dim, elem_bytes(p.partial_dtype), config.slices) *
-              kDsplitLaneBytes / elem_bytes(p.partial_dtype) % p.quant_group != 0) {
-    return fail(Error::kSlices, config.slices);
+  if (config.family == Family::kFew) {
+    const int lanes = few_threads_per_row(head_dim, elem_bytes, config.vectors);
+    const int group_lanes = quant_group * elem_bytes / kFewVectorBytes;
+    if (stats_in_place && (lanes < 1 || lanes > 32 || 32 % lanes != 0)) {
+      return fail(Error::kVectors, config.vectors);
+    }
+    if (quant_group > 0 && (group_lanes < 1 || lanes < 1 || lanes % group_lanes != 0)) {
+      return fail(Error::kVectors, config.vectors);
+    }
   }
   return Status{};
+}
+
+KVSPLIT_HOST_DEVICE constexpr Status check_call(const MergeParams& p, const KernelConfig& config) {
+  return check_call_rules(config, p.head_dim, elem_bytes(p.partial_dtype), p.stats_in_place,
+                          p.group_scales != nullptr ? p.quant_group : 0);
 }
 
 // The splits of a row: `begin` and how many. Split counts clamp the count;
@@ -233,15 +253,15 @@ struct SplitRange {
   int count;
   bool pass = false;  // a pass-through row: split `begin` as it is
 };
-KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const RowIndex& at,
-                                                 int64_t row) {
+// `token`: the row's (batch * seqlen + token), row_token_major's.
+KVSPLIT_HOST_DEVICE inline SplitRange row_splits_of_token(const MergeParams& p, int64_t token,
+                                                          int64_t row) {
   SplitRange range{0, static_cast<int>(p.num_splits)};
   if (p.split_counts != nullptr) {
     const int32_t count = p.split_counts[row];
     range.count = count < 0 ? 0 : count < range.count ? count : range.count;
   }
   if (p.indptr != nullptr || p.pass_through_tokens != INT64_MAX) {
-    const int64_t token = row_token_major(p, at);
     if (token >= p.pass_through_tokens) return SplitRange{p.pass_through_split, 1, true};
     if (p.indptr != nullptr) {
       const int64_t begin = p.indptr_int64 ? static_cast<const int64_t*>(p.indptr)[token]
@@ -256,6 +276,12 @@ KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const Row
     }
   }
   return range;
+}
+KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const RowIndex& at,
+                                                 int64_t row) {
+  return row_splits_of_token(
+      p, p.indptr != nullptr || p.pass_through_tokens != INT64_MAX ? row_token_major(p, at) : 0,
+      row);
 }
 
 // Where and how a CUDA merge launches.

@@ -1,0 +1,214 @@
+// The Few family: merges of a few states (two to sixteen), each thread alone.
+//
+// At N = 2..16 the merge is an elementwise pass over N inputs, and the
+// KvSplit and DSplit kernels pay for machinery it does not need (groups
+// folded through shared memory or shuffles, barriers, a grid capped at two
+// CTAs per SM with a loop over bands). Here a thread owns `vectors` 16-byte
+// vectors of one row (few_geometry.h: lane, lane + L, ... of its V vectors)
+// and merges every state of them itself. Per round of `depth` states it
+// issues every partial's and every stat's load before any arithmetic, weighs
+// the states once for all its vectors (the weights depend on the stats
+// alone), and stores each vector once. No shared memory and no barrier; the
+// only shuffles are the per-group FP8 amax's, the only sync an in-place
+// export's __syncwarp. Rows follow one another across threads and CTAs (R * L
+// threads in all), and CTAs shrink until one token's rows spread over the
+// SMs (make_few_launch). A row of more states than `depth` (split counts,
+// indptr) takes several rounds: any count works, rescaled once a round.
+//
+// Order of combination (merge_cpu.cpp mirrors it): per vector, rounds of
+// depth = few_depth(num_splits, vectors) states begin, begin + 1, ...; each
+// round one merge_batch (its max first, the running state rescaled once,
+// then the states in order), slots past the row's count weighing 0.
+//
+// The depth and `vectors` are template arguments (a thread's loads live in
+// registers): the pairs of config.h's FewDepths x FewVectors that
+// few_loads_fit, seven kernels per (partial dtype, stats format).
+#pragma once
+
+#include <cstdint>
+
+#include "kvsplit/device_common.cuh"
+#include "kvsplit/dispatch.h"
+#include "kvsplit/few_geometry.h"
+#include "kvsplit/merge_math.h"
+#include "kvsplit/params.h"
+
+namespace kvsplit {
+
+// One round: up to kDepth states (`live` of them; the rest weigh 0 and load
+// nothing) of a thread's kVectors vectors, `vector_step` elements apart.
+// Every load of the round is issued before the first use.
+template <int kDepth, int kVectors, DType kPartial, StatsFormat kFormat, int kElems>
+__device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
+                                                const typename CudaType<kPartial>::type* o,
+                                                const float* s, int live, int64_t o_step,
+                                                int64_t s_step, int vector_step,
+                                                const bool (&holds)[kVectors], float log2_scale,
+                                                float empty_stat) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  static_assert(kElems == kVec * kVectors, "a thread's state spans its vectors");
+  Packed<kBytesPerThread> packed[kDepth][kVectors];
+  float m_in[kDepth], l_in[kDepth];
+#pragma unroll
+  for (int j = 0; j < kDepth; ++j) {
+    const bool on = j < live;
+    const auto* state_o = o + j * o_step;
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      packed[j][u] = on && holds[u] ? load_packed<kBytesPerThread>(state_o + u * vector_step)
+                                    : Packed<kBytesPerThread>{};
+    }
+    const float* stat = s + j * s_step;
+    const float m_raw = on ? __ldg(stat) : neg_inf();
+    l_in[j] = kFormat == StatsFormat::kMaxSum ? (on ? __ldg(stat + 1) : 0.f) : 1.f;
+    m_in[j] = m_raw != empty_stat ? m_raw : neg_inf();
+  }
+  state.merge_batch(
+      m_in, l_in, [&](int j, int e) { return unpack<kPartial>(packed[j][e / kVec], e % kVec); },
+      log2_scale);
+}
+
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors>
+__global__ void __launch_bounds__(kFewMaxCtaThreads, 1)
+    few_kernel(const MergeParams p, const FewGeometry geo) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kElems = kVec * kVectors;
+  using Partial = typename CudaType<kPartial>::type;
+
+  // Below 2^31 (make_few_launch): the row of a pass and the lane by one multiply-high.
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row_in_pass = geo.lanes.div(thread);
+  const int lanes = static_cast<int>(geo.lanes.divisor);
+  const int lane = static_cast<int>(thread - row_in_pass * geo.lanes.divisor);
+  bool holds[kVectors];  // the step's vector lies inside the row
+#pragma unroll
+  for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < geo.row_vectors;
+
+  pdl_wait();
+  const float out_scale = load_out_scale(p);
+  // Passes are uniform over the grid: every thread of a warp takes each one
+  // (the per-group shuffles and the in-place __syncwarp need the whole warp).
+  for (int64_t first = 0; first < p.rows; first += geo.rows_per_pass) {
+    const int64_t row = first + row_in_pass;
+    // The row's place and states; a plain call (FewGeometry::plain) skips
+    // the lookups, so that little stands between the row and its loads.
+    RowIndex at;
+    bool active;
+    SplitRange splits{0, 0};
+    int64_t o_row, s_row, out_row;
+    int64_t head = 0;  // the row's sink's index (read only with sinks)
+    if (geo.plain) {
+      at.head = row;
+      active = row < p.rows;
+      splits.count = active ? static_cast<int>(p.num_splits) : 0;
+      o_row = row * p.o_row.head;
+      s_row = row * p.stats_row.head;
+      out_row = row * p.out_row.head;
+      if (p.sinks != nullptr) head = split_row(p, row).head;
+    } else {
+      // One (batch, token, head) split serves the strides, the mask, the
+      // states and the sink (the helpers of params.h would split a flat row
+      // again for each).
+      const RowIndex split = split_row(p, row);
+      const int64_t token = split.batch * p.seqlen + split.token;
+      at = p.flat_rows ? RowIndex{0, 0, row} : split;
+      head = split.head;
+      active = row < p.rows &&
+               (p.row_mask == nullptr || p.row_mask[token * p.row_mask_stride] != 0);
+      if (active) splits = row_splits_of_token(p, token, row);
+      o_row = p.o_row.at(at);
+      s_row = p.stats_row.at(at);
+      out_row = p.out_row.at(at);
+    }
+    o_row += lane * kVec;
+    MergeState<kElems> state;
+    state.reset();
+    const float* pass_stats = nullptr;
+    if (splits.pass) {
+      // A pass-through row: its one split as it is (load_pass_through, per vector).
+      pass_stats = p.stats + (splits.begin * p.stats_stride_split + s_row);
+      state.set_single(kFormat == StatsFormat::kMaxSum ? __ldg(pass_stats + 1) : 1.f);
+      const Partial* o = static_cast<const Partial*>(p.partial_o) +
+                         (splits.begin * p.o_stride_split + o_row);
+#pragma unroll
+      for (int u = 0; u < kVectors; ++u) {
+        if (!holds[u]) continue;
+        const auto packed = load_packed<kBytesPerThread>(o + u * lanes * kVec);
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) state.acc[u * kVec + v] = unpack<kPartial>(packed, v);
+      }
+    } else {
+      const Partial* o = static_cast<const Partial*>(p.partial_o) +
+                         (splits.begin * p.o_stride_split + o_row);
+      const float* s = p.stats + (splits.begin * p.stats_stride_split + s_row);
+      for (int done = 0; done < splits.count; done += kDepth) {
+        merge_few_round<kDepth, kVectors, kPartial, kFormat>(
+            state, o, s, splits.count - done, p.o_stride_split, p.stats_stride_split,
+            lanes * kVec, holds, p.log2_scale, p.empty_stat);
+        o += kDepth * p.o_stride_split;
+        s += kDepth * p.stats_stride_split;
+      }
+    }
+    // Every load of this pass is done: the next kernel may start its prologue.
+    pdl_trigger();
+
+    const float sink_log2 = p.sinks != nullptr && active && !splits.pass
+                                ? __ldg(p.sinks + head) * kLog2E
+                                : neg_inf();
+    float out[kElems], log2_rel;
+    const float total = state.finalize(sink_log2, p.log2_scale, out, log2_rel);
+    // An in-place export overwrites split 0's stats, which every thread of
+    // the row reads: they are all in this warp (check_call_rules).
+    if (p.stats_in_place) __syncwarp();
+    // One vector a step, the next one shifted into out[0, kVec) (static
+    // indices: out stays in registers), so that the store's code (a switch
+    // over five output dtypes, FP8 scaling) is compiled once, not per vector.
+#pragma unroll 1
+    for (int u = 0; u < kVectors; ++u) {
+      float vector[kVec];
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) vector[v] = out[v];
+#pragma unroll
+      for (int e = 0; e + kVec < kElems; ++e) out[e] = out[e + kVec];
+      const int col = (lane + u * lanes) * kVec;
+      const bool stores = active && col < geo.row_vectors * kVec;
+      // A group's lanes are consecutive threads of one step of one row (check_call_rules).
+      if (is_fp8(p.out_dtype)) scale_fp8(p, vector, at, col, stores, 0xffffffffu, out_scale);
+      if (stores) store_any(p.out_dtype, p.out, out_row + col, vector);
+    }
+    if (active && lane == 0 && p.out_stats != nullptr) {
+      export_stats<kFormat>(p, state, at, total, sink_log2, log2_rel, pass_stats);
+    }
+  }
+}
+
+// Launches a checked Few config (check_config, check_call) on rows > 0.
+template <DType kPartial, StatsFormat kFormat>
+Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
+                        cudaStream_t stream) {
+  const int lanes = few_threads_per_row(p.head_dim, elem_bytes(kPartial), config.vectors);
+  if (lanes < 1) return fail(Error::kVectors, config.vectors);
+  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
+  const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr &&
+                     p.indptr == nullptr && p.pass_through_tokens == INT64_MAX;
+  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
+                        p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
+                        plain};
+  PdlLaunch launch(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(shape.cta_threads), 0,
+                   stream, pdl);
+  Status status;
+  cudaError_t error = cudaSuccess;
+  KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
+    KVSPLIT_DISPATCH_FEW_VECTORS(config.vectors, kVectors, status, {
+      if constexpr (few_loads_fit(kDepth, kVectors)) {
+        error = cudaLaunchKernelEx(&launch.config,
+                                   few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
+      } else {
+        status = fail(Error::kVectors, kVectors);
+      }
+    })
+  })
+  return error != cudaSuccess ? fail(Error::kCuda, error) : status;
+}
+
+}  // namespace kvsplit

@@ -59,9 +59,12 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     K = 64 or 128). Besides, every DSplit config whose item is one warp
     (lanes x K = 32; they run four or eight to a CTA with no barrier).
     KvSplit K = 1 always stays. Each DSplit config is timed at the round
-    depths of :func:`dsplit_depths`. Median 18 candidates a key over the
+    depths of :func:`dsplit_depths`. Every Few config the constraints offer
+    stays (at most three: 1, 2 or 4 vectors a thread; only at 16 states or
+    fewer). Median 18 candidates a key over the
     shipped H200 grid (16 over the adapters' grid, 18 over the unseen shapes
-    of benchmarks/bench_dispatch.py), at most 25 over those keys."""
+    of benchmarks/bench_dispatch.py), at most 25 over those keys (before the
+    Few family, not yet timed on a GPU)."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
@@ -80,6 +83,9 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
         slices[k] = set(options[:2])
     kept = []
     for c in configs:
+        if c.family == "few":
+            kept.append(c)
+            continue
         if c.family == "kvsplit":
             if c.kv_split == 1 or c.kv_split in ks:
                 kept.append(c)
@@ -117,9 +123,11 @@ def dsplit_depths(per_group: int, one_warp: bool = False) -> set[int]:
     return {4, 8, 16} if per_group <= 16 else {8, 16}
 
 
-def simplicity(config: KernelConfig) -> tuple[int, int, int, int]:
-    """Order among near-ties: fewer groups per row, then KvSplit, fewer slices, less depth."""
-    return (config.kv_split * config.slices, config.family_code, config.slices, config.depth)
+def simplicity(config: KernelConfig) -> tuple[int, int, int, int, int]:
+    """Order among near-ties: fewer groups per row, then KvSplit, fewer slices, less depth,
+    fewer vectors a thread."""
+    return (config.kv_split * config.slices, config.family_code, config.slices, config.depth,
+            config.vectors)
 
 
 #: Floats between the stats of adjacent rows in scattered scratch: a 32-byte sector each,

@@ -24,8 +24,11 @@ K1 = "kvsplit(kv_split=1)"
 
 
 def short(label: str) -> str:
-    """kvsplit(kv_split=8) -> K8; dsplit(depth=8, kv_split=16, slices=4) -> P4xK16d8."""
+    """kvsplit(kv_split=8) -> K8; dsplit(depth=8, kv_split=16, slices=4) -> P4xK16d8;
+    few(vectors=2) -> F2."""
     params = dict(part.split("=") for part in label[label.index("(") + 1:-1].split(", "))
+    if "vectors" in params:
+        return f"F{params['vectors']}"
     if "slices" not in params:
         return f"K{params['kv_split']}"
     return f"P{params['slices']}xK{params['kv_split']}d{params['depth']}"

@@ -29,8 +29,11 @@ def _group_title(record: TuningRecord) -> str:
 
 
 def _short(config) -> str:
-    """kvsplit(kv_split=8) -> K8; dsplit(kv_split=16, slices=4) -> P4xK16."""
+    """kvsplit(kv_split=8) -> K8; dsplit(kv_split=16, slices=4) -> P4xK16; few(vectors=2)
+    -> F2."""
     params = config.params
+    if "vectors" in params:
+        return f"F{params['vectors']}"
     k = params.get("kv_split", "?")
     return f"P{params['slices']}xK{k}" if "slices" in params else f"K{k}"
 

@@ -16,19 +16,28 @@ which halves kv_split until all of these hold:
 A DSplit config that halving cannot mend runs as the KvSplit config of the
 same kv_split (at most 16), constrained; KvSplit K = 1 always satisfies
 everything, so a tampered table can only cost speed.
+
+A Few config (every state of a few vectors in one thread) has no group
+count: it is mended by halving its vectors per thread until it is legal
+(one vector always is), and runs any number of states, in rounds. Policy,
+not a kernel rule: it is offered (valid_configs, so the tuner's
+candidates) only to calls of at most :data:`FEW_MAX_SPLITS` states.
 """
 
 from __future__ import annotations
 
-from ..config import (DTYPE_BYTES, FAMILIES, LIMITS, KernelConfig, check, dsplit_slice_elems,
-                      kvsplit_rows_per_band, legal_configs)
+from ..config import (DTYPE_BYTES, FAMILIES, LIMITS, KernelConfig, check, check_call,
+                      dsplit_slice_elems, kvsplit_rows_per_band, legal_configs)
 
-KVSPLIT, DSPLIT = "kvsplit", "dsplit"
+KVSPLIT, DSPLIT, FEW = "kvsplit", "dsplit", "few"
 KV_SPLITS: tuple[int, ...] = FAMILIES[KVSPLIT]["kv_split"]
 DSPLIT_SLICES: tuple[int, ...] = FAMILIES[DSPLIT]["slices"]
 DSPLIT_KV_SPLITS: tuple[int, ...] = FAMILIES[DSPLIT]["kv_split"]
 DSPLIT_DEPTHS: tuple[int, ...] = FAMILIES[DSPLIT]["depth"]
+FEW_VECTORS: tuple[int, ...] = FAMILIES[FEW]["vectors"]
 CTAS_PER_SM: int = LIMITS["kvsplit_ctas_per_sm"]
+#: The most states of a call to which the Few family is offered (issue 30's few states).
+FEW_MAX_SPLITS = 16
 
 kvsplit_config = KernelConfig.kvsplit
 
@@ -96,10 +105,37 @@ def dsplit_violations(config: KernelConfig, *, head_dim: int, elem_bytes: int, n
     return broken
 
 
+def few_mended(config: KernelConfig, *, head_dim: int, elem_bytes: int,
+               stats_in_place: bool = False, quant_group: int = 0) -> KernelConfig | None:
+    """The Few config nearest ``config`` that the kernel layer runs at ``head_dim`` with
+    the call's rules (an in-place stats export, per-group FP8 scales of ``quant_group``
+    elements): ``config`` itself, else other vectors per thread (fewest halvings or
+    doublings first, fewer first); None when none does."""
+    def distance(vectors: int) -> tuple[int, int]:
+        return abs(vectors.bit_length() - config.vectors.bit_length()), vectors
+
+    for vectors in sorted(FEW_VECTORS, key=distance):
+        mended = KernelConfig.few(vectors)
+        if (check(mended, head_dim, elem_bytes) is None
+                and check_call(mended, head_dim, elem_bytes, stats_in_place=stats_in_place,
+                               quant_group=quant_group) is None):
+            return mended
+    return None
+
+
 def constrain_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, rows: int,
                      num_splits: int, sm_count: int | None,
                      max_split: int | None = None) -> KernelConfig:
-    """``config`` mended by halving kv_split until it satisfies its family's constraints."""
+    """``config`` mended by halving kv_split until it satisfies its family's constraints
+    (a Few config: by halving its vectors per thread)."""
+    if config.family == FEW:
+        vectors = config.vectors
+        while vectors > 1 and check(KernelConfig.few(vectors), head_dim, elem_bytes) is not None:
+            vectors //= 2
+        mended = KernelConfig.few(vectors)
+        if check(mended, head_dim, elem_bytes) is None:
+            return mended
+        config = kvsplit_config(1)  # a head dim no kernel takes: the launch will say so
     if config.family == DSPLIT:
         rules = dict(head_dim=head_dim, elem_bytes=elem_bytes, num_splits=num_splits,
                      max_split=max_split)
@@ -120,7 +156,11 @@ def in_place_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, row
                     num_splits: int, sm_count: int | None) -> KernelConfig:
     """``config`` for a call that exports its stats into split 0's (an in-place merge):
     a row must stay inside one CTA, so a DSplit row's slices become more groups of one
-    CTA (the kernel layer refuses slices > 1 there)."""
+    CTA (the kernel layer refuses slices > 1 there); a Few row's threads must share a
+    warp, so its vectors per thread change (few_mended), or KvSplit K = 1 runs it."""
+    if config.family == FEW:
+        return few_mended(config, head_dim=head_dim, elem_bytes=elem_bytes,
+                          stats_in_place=True) or kvsplit_config(1)
     if config.family != DSPLIT or config.slices == 1:
         return config
     groups = min(config.kv_split * config.slices, max(DSPLIT_KV_SPLITS))
@@ -134,7 +174,12 @@ def group_quant_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, 
     """``config`` for a call with per-group FP8 scales: the lanes of one group of
     ``quant_group`` elements reduce its maximum by shuffles, so a DSplit slice must
     hold whole groups; otherwise the row's slices become more groups of one CTA, or,
-    where a row does not fit one, the KvSplit config of as many groups."""
+    where a row does not fit one, the KvSplit config of as many groups. A Few step of a
+    row must hold whole groups: its vectors per thread change (few_mended; one vector
+    always fits)."""
+    if config.family == FEW:
+        return few_mended(config, head_dim=head_dim, elem_bytes=elem_bytes,
+                          quant_group=quant_group) or kvsplit_config(1)
     if (config.family != DSPLIT or config.slices == 1
             or dsplit_slice_elems(head_dim, elem_bytes, config.slices) % quant_group == 0):
         return config
@@ -149,8 +194,9 @@ def group_quant_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, 
 
 def valid_configs(*, head_dim: int, elem_bytes: int, rows: int, num_splits: int,
                   sm_count: int | None, max_split: int | None = None,
-                  families: tuple[str, ...] = (KVSPLIT, DSPLIT)) -> list[KernelConfig]:
-    """Every legal config of ``families`` that satisfies the constraints (KvSplit K = 1 always)."""
+                  families: tuple[str, ...] = (KVSPLIT, DSPLIT, FEW)) -> list[KernelConfig]:
+    """Every legal config of ``families`` that satisfies the constraints (KvSplit K = 1
+    always; Few configs up to :data:`FEW_MAX_SPLITS` states)."""
     configs = []
     if KVSPLIT in families:
         configs += [kvsplit_config(k) for k in valid_kv_splits(
@@ -160,12 +206,15 @@ def valid_configs(*, head_dim: int, elem_bytes: int, rows: int, num_splits: int,
         configs += [c for c in legal_configs(head_dim, elem_bytes, (DSPLIT,))
                     if not dsplit_violations(c, head_dim=head_dim, elem_bytes=elem_bytes,
                                              num_splits=num_splits, max_split=max_split)]
+    if FEW in families and num_splits <= FEW_MAX_SPLITS:
+        configs += legal_configs(head_dim, elem_bytes, (FEW,))
     return configs
 
 
 def configs_for_key(key, *, is_cuda: bool, max_split: int | None = None) -> list[KernelConfig]:
-    """The configs a tuner may time at tuning ``key``: both families on a GPU, KvSplit on the CPU."""
+    """The configs a tuner may time at tuning ``key``: every family on a GPU, KvSplit on
+    the CPU."""
     return valid_configs(head_dim=key.head_dim, elem_bytes=DTYPE_BYTES[key.partial_dtype],
                          rows=key.rows, num_splits=key.num_splits,
                          sm_count=key.device.sm_count if is_cuda else None, max_split=max_split,
-                         families=(KVSPLIT, DSPLIT) if is_cuda else (KVSPLIT,))
+                         families=(KVSPLIT, DSPLIT, FEW) if is_cuda else (KVSPLIT,))

@@ -5,8 +5,9 @@ lookup (no SQL, no device sync, no allocation). The slow path, taken once per
 shape, decides in this order:
 
 1. a ``kv_split`` forced by the caller (KvSplit family);
-2. ``KVSPLIT_MODE``: ``off`` (KvSplit K = 1), a fixed KvSplit K (``8``) or
-   a fixed DSplit config (``dsplit:SLICES:KV_SPLIT[:DEPTH]``, e.g. ``dsplit:4:16:8``);
+2. ``KVSPLIT_MODE``: ``off`` (KvSplit K = 1), a fixed KvSplit K (``8``), a
+   fixed DSplit config (``dsplit:SLICES:KV_SPLIT[:DEPTH]``, e.g. ``dsplit:4:16:8``)
+   or a fixed Few config (``few:VECTORS``, e.g. ``few:2``);
    ``auto`` (default) and ``cached`` go on;
 3. the tuning database (``KVSPLIT_DB``), loaded whole for this device and
    kernel build on first use;
@@ -15,7 +16,7 @@ shape, decides in this order:
    heuristic serves, nothing is cached and the key is recorded as pending);
    ``cached``: the heuristic.
 
-A choice is a :class:`~kvsplit.config.KernelConfig` of either family. Whatever
+A choice is a :class:`~kvsplit.config.KernelConfig` of any family. Whatever
 the source, :func:`constrain_config` has the last word, so a tampered table
 can only cost speed. ``kvsplit.merge`` keeps its per-layout launch plans in
 :attr:`Dispatcher.plans`, so that :meth:`Dispatcher.forget` drops them too.
@@ -43,8 +44,8 @@ from .. import db as _db
 from ..db import read_export
 from . import pending as pending_keys
 from .refresh import Refresher, refresh_interval
-from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
-                          configs_for_key, constrain_config, kvsplit_config)
+from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, FEW_VECTORS,
+                          KV_SPLITS, configs_for_key, constrain_config, kvsplit_config)
 from .device import DeviceFacts
 from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
 from . import InvalidSetting
@@ -57,7 +58,7 @@ _LIBRARY_DB_TIMEOUT_S = 5.0
 #: Decisions that come from a table of winners: a refresh that changes their key drops them.
 _TABLE_SOURCES = ("database", "shipped", "heuristic", "tuned")
 MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
-    "dsplit:SLICES:KV_SPLIT[:DEPTH]",)
+    "dsplit:SLICES:KV_SPLIT[:DEPTH]", "few:VECTORS")
 
 
 class PlanTable(dict):
@@ -109,13 +110,15 @@ class PlanTable(dict):
 
 
 def _fixed_config(mode: str) -> KernelConfig | None:
-    """The config a fixed ``KVSPLIT_MODE`` names (``8``, ``dsplit:4:16:8``), else None."""
+    """The config a fixed ``KVSPLIT_MODE`` names (``8``, ``dsplit:4:16:8``, ``few:2``),
+    else None."""
     if mode.isdigit() and int(mode) in KV_SPLITS:
         return kvsplit_config(int(mode))
     family, *numbers = mode.split(":")
-    if family == "dsplit" and len(numbers) in (2, 3) and all(n.isdigit() for n in numbers):
+    arities = {"dsplit": (2, 3), "few": (1,)}
+    if family in arities and len(numbers) in arities[family] and all(n.isdigit() for n in numbers):
         try:
-            return KernelConfig.dsplit(*map(int, numbers))
+            return getattr(KernelConfig, family)(*map(int, numbers))
         except ValueError:
             return None
     return None
@@ -142,9 +145,9 @@ def read_settings(mode: str | None, max_split: str | None) -> tuple[str, KernelC
     mode = mode or "auto"
     fixed = _fixed_config(mode)
     if fixed is None and mode not in ("auto", "cached", "off"):
-        raise InvalidSetting(f"KVSPLIT_MODE must be one of {', '.join(MODES)} (SLICES in "
-                             f"{DSPLIT_SLICES}, KV_SPLIT in {DSPLIT_KV_SPLITS}, DEPTH in "
-                             f"{DSPLIT_DEPTHS}); got {mode!r}")
+        raise InvalidSetting(f"KVSPLIT_MODE must be one of {', '.join(MODES)} (dsplit: SLICES "
+                             f"in {DSPLIT_SLICES}, KV_SPLIT in {DSPLIT_KV_SPLITS}, DEPTH in "
+                             f"{DSPLIT_DEPTHS}; few: VECTORS in {FEW_VECTORS}); got {mode!r}")
     return mode, fixed, _env_int("KVSPLIT_MAX_SPLIT", max_split)
 
 

@@ -92,13 +92,22 @@ def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
     return configs
 
 
+def spec_few(head_dim, elem_bytes, num_splits):
+    """The Few rules, written out: 1, 2 or 4 vectors of 16 bytes a thread, no step of a row
+    empty ((vectors - 1) * ceil(V / vectors) < V); offered up to 16 states."""
+    vectors = head_dim * elem_bytes // 16
+    return [KernelConfig.few(v) for v in (1, 2, 4)
+            if num_splits <= 16 and (v - 1) * -(-vectors // v) < vectors]
+
+
 @SETTINGS
-@given(head_dim=st.sampled_from([64, 128, 256, 512]),
-       dtype=st.sampled_from(sorted(ELEM_BYTES)), num_splits=st.integers(1, 2048),
+@given(head_dim=st.sampled_from([16, 32, 64, 128, 256, 512]),
+       dtype=st.sampled_from(sorted(ELEM_BYTES)),
+       num_splits=st.one_of(st.integers(1, 20), st.integers(1, 2048)),
        rows=st.one_of(st.integers(1, 64), st.integers(1, 2_000_000)), sm_count=st.integers(1, 200),
        is_cuda=st.booleans(), max_split=st.one_of(st.none(), st.integers(1, 32)))
-def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_splits, rows,
-                                                           sm_count, is_cuda, max_split):
+def test_candidates_are_the_valid_configs_of_every_family(head_dim, dtype, num_splits, rows,
+                                                          sm_count, is_cuda, max_split):
     key = TuningKey(device=DeviceInfo(name="GPU", cc_major=9, cc_minor=0, sm_count=sm_count),
                     build_hash="b", head_dim=head_dim, partial_dtype=dtype, out_dtype="bfloat16",
                     stats_format="maxsum", num_splits=num_splits, rows=rows)
@@ -106,8 +115,9 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
     expected = [kvsplit_config(k) for k in KV_SPLITS if spec_valid(
         k, head_dim=head_dim, elem_bytes=ELEM_BYTES[dtype], rows=rows, num_splits=num_splits,
         sm_count=sm_count if is_cuda else None, max_split=max_split)]
-    if is_cuda:  # DSplit slices are a GPU matter: the CPU tunes KvSplit only
+    if is_cuda:  # DSplit slices and Few threads are a GPU matter: the CPU tunes KvSplit only
         expected += spec_dsplit(head_dim, ELEM_BYTES[dtype], num_splits, max_split)
+        expected += spec_few(head_dim, ELEM_BYTES[dtype], num_splits)
     assert everything == expected
     assert all(KernelConfig(c.family, c.params) == c for c in everything)
     assert len(set(everything)) == len(everything)  # hashable configs
@@ -125,6 +135,10 @@ def test_candidates_are_the_valid_configs_of_both_families(head_dim, dtype, num_
             return {4, 8, 16} if per_group <= 16 else {8, 16}
 
         assert all(c.depth in depths(c) for c in pruned if c.family == "dsplit")
+        # every Few config: at most three
+        few = [c for c in everything if c.family == "few"]
+        assert len(few) <= 3 and set(few) <= set(pruned)
+        pruned = [c for c in pruned if c.family != "few"]
         one_warp = {c for c in everything if c.family == "dsplit"
                     and one_warp_item(c, head_dim, dtype) and c.depth in depths(c)}
         assert len(one_warp) <= 10 and one_warp <= set(pruned)

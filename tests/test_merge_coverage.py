@@ -1,11 +1,13 @@
 """What engines call beyond the power-of-two head dims and 16-bit outputs: any head dim
 of whole 16-byte vectors, float32 and FP8 outputs (per-tensor and per-group scales),
-pass-through rows and variable-length states, on the CPU twin and on CUDA, in both
-kernel families (each config pinned through ``KVSPLIT_MODE``), against float64.
+pass-through rows and variable-length states, on the CPU twin and on CUDA, in every
+kernel family (each config pinned through ``KVSPLIT_MODE``), against float64.
 
 The configs of the DSplit family are written out here from its rules, independently
 of dispatch/: a slice is ceil(vectors / slices) vectors (no slice empty), on a power
 of two of 4..32 lanes of which more than half hold a vector; a CTA has 32..512 threads.
+A Few thread holds 1, 2 or 4 of a row's V vectors, on ceil(V / vectors) threads a row,
+with no step of a row empty.
 """
 
 from __future__ import annotations
@@ -50,17 +52,24 @@ def kvsplit_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Ker
             if (512 // k) * 16 >= head_dim * elem_bytes and k <= num_splits]
 
 
+def few_configs(head_dim: int, elem_bytes: int) -> list[KernelConfig]:
+    vectors = head_dim * elem_bytes // 16
+    return [KernelConfig.few(v) for v in (1, 2, 4) if (v - 1) * -(-vectors // v) < vectors]
+
+
 def pin(monkeypatch, config: KernelConfig) -> None:
-    mode = (f"dsplit:{config.slices}:{config.kv_split}:{config.depth}"
-            if config.family == "dsplit" else str(config.kv_split))
-    monkeypatch.setenv("KVSPLIT_MODE", mode)
+    modes = {"dsplit": f"dsplit:{config.slices}:{config.kv_split}:{config.depth}",
+             "few": f"few:{config.vectors}"}
+    monkeypatch.setenv("KVSPLIT_MODE", modes.get(config.family, str(config.kv_split)))
 
 
 def some_configs(head_dim, dtype, num_splits, device, gen) -> list[KernelConfig]:
-    """KvSplit K = 1, the largest legal KvSplit K and, on CUDA, three DSplit configs."""
+    """KvSplit K = 1, the largest legal KvSplit K, the Few configs of one and of the most
+    vectors a thread and, on CUDA, three DSplit configs."""
     elem = dtype.itemsize
     kv = kvsplit_configs(head_dim, elem, num_splits)
-    configs = [kv[0], kv[-1]]
+    few = few_configs(head_dim, elem)
+    configs = [kv[0], kv[-1], few[0], few[-1]]
     ds = dsplit_configs(head_dim, elem, num_splits)
     if device == "cuda" and ds:
         picks = torch.randint(0, len(ds), (3,), generator=gen).tolist()
@@ -171,6 +180,37 @@ def test_fp8_output_with_per_group_scales(device, head_dim, quant_group, scales_
         got_scales = scales.float().cpu().reshape(rows, -1).double()
         torch.testing.assert_close(got_scales, ref_scales, rtol=1e-6, atol=0)
         assert_fp8_within_one_ulp(out.float().reshape(rows, head_dim), expected, fp8)
+
+
+@pytest.mark.parametrize("scales_layout", ["padded-tokens", "head-major"])
+def test_per_group_scales_of_any_strides(device, scales_layout, merge_kit, monkeypatch):
+    """Per-group scales whose rows are not one stride apart (a token stride other than
+    heads x the head stride) next to partials and outputs that are: each scale lands at
+    its own (token, head, group), in every family (flat rows once wrote them at
+    row x head stride)."""
+    fp8, quant_group, head_dim = torch.float8_e4m3fn, 64, 128
+    gen = merge_kit.generator("group-scale-strides", scales_layout)
+    num_splits, tokens, heads = 3, 5, 4
+    rows = tokens * heads
+    partial_o, lse = merge_kit.partials("lse2", num_splits, rows, head_dim, torch.bfloat16, gen)
+    ref_out, _ = merge_kit.reference("lse2", partial_o, lse)
+    ref_scales = ref_out.view(rows, -1, quant_group).abs().amax(-1).clamp_min(1e-10) / 448.0
+    view = lambda t: t.view(num_splits, tokens, heads, *t.shape[2:])  # noqa: E731
+    groups = head_dim // quant_group
+    for config in some_configs(head_dim, torch.bfloat16, num_splits, device, gen):
+        pin(monkeypatch, config)
+        if scales_layout == "padded-tokens":  # (tokens, heads + 1, groups), the last head unused
+            storage = torch.full((tokens, heads + 1, groups), 7.0, device=device)
+            scales = storage[:, :heads]
+        else:  # (heads, tokens, groups) seen as (tokens, heads, groups)
+            storage = torch.full((heads, tokens, groups), 7.0, device=device)
+            scales = storage.transpose(0, 1)
+        kvsplit.merge_lse(view(partial_o).to(device), view(lse).to(device), out_dtype=fp8,
+                          group_scales=scales, quant_group=quant_group)
+        torch.testing.assert_close(scales.cpu().reshape(rows, groups).double(), ref_scales,
+                                   rtol=1e-6, atol=0)
+        if scales_layout == "padded-tokens":
+            assert (storage[:, heads] == 7.0).all(), f"{config.label} wrote past the heads"
 
 
 @pytest.mark.parametrize("fmt", ["maxsum", "lsee"])

@@ -151,11 +151,15 @@ KVSPLIT_HOST_DEVICE inline void flatten_rows(MergeParams& p) {
   const int64_t out = flat_stride(p.out_row, batches, p.seqlen, p.heads);
   const int64_t out_stats =
       p.out_stats == nullptr ? 0 : flat_stride(p.out_stats_row, batches, p.seqlen, p.heads);
-  if (o < 0 || stats < 0 || out < 0 || out_stats < 0) return;
+  const int64_t scales = p.group_scales == nullptr
+                             ? 0
+                             : flat_stride(p.group_scales_row, batches, p.seqlen, p.heads);
+  if (o < 0 || stats < 0 || out < 0 || out_stats < 0 || scales < 0) return;
   p.o_row = RowStrides{0, 0, o};
   p.stats_row = RowStrides{0, 0, stats};
   p.out_row = RowStrides{0, 0, out};
   p.out_stats_row = RowStrides{0, 0, out_stats};
+  p.group_scales_row = RowStrides{0, 0, scales};
   p.flat_rows = true;
 }
 

@@ -1,0 +1,365 @@
+"""Numerics of the Few family (every state of a few vectors of a row merged by one thread).
+
+Each config is pinned with ``KVSPLIT_MODE=few:VECTORS`` and run through the public merge
+functions and the engines' adapters, on the CPU twin and on CUDA where it can, against the
+float64 reference and against KvSplit K = 1 on fresh random data. The family's rules are
+written out here, independently of dispatch/: a thread holds 1, 2 or 4 of a row's V
+16-byte vectors, on L = ceil(V / vectors) threads a row, and no step of a row may be empty
+((vectors - 1) * L < V); a round loads the fewest of 2, 4, 8, 16 states that hold the
+call's, at most 8 loads a thread with more than one vector (the call's order of
+combination: the CPU twin's rounds are the kernel's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvsplit
+from kvsplit import _kernel, _native, merge, reference
+from kvsplit.config import FAMILY_CODES, KernelConfig, few_depth, few_launch, few_threads_per_row
+from merge_grid import DTYPES, FORMATS, out_kwargs
+
+pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
+
+HEAD_DIMS = [64, 80, 128, 192, 256, 512, 576]
+
+
+def spec_vectors(head_dim: int, elem_bytes: int) -> list[int]:
+    row = head_dim * elem_bytes // 16
+    return [v for v in (1, 2, 4) if (v - 1) * -(-row // v) < row]
+
+
+def spec_depth(num_splits: int, vectors: int) -> int:
+    fitting = [d for d in (2, 4, 8, 16) if vectors == 1 or d * vectors <= 8]
+    return next((d for d in fitting if d >= num_splits), fitting[-1])
+
+
+def few_configs(head_dim: int, elem_bytes: int) -> list[KernelConfig]:
+    return [KernelConfig.few(v) for v in spec_vectors(head_dim, elem_bytes)]
+
+
+def pin(monkeypatch, config: KernelConfig) -> None:
+    monkeypatch.setenv("KVSPLIT_MODE", f"few:{config.vectors}")
+
+
+# -- the family's rules, as the kernel layer states them ------------------------------------
+
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_the_rules_are_the_written_ones(elem_bytes):
+    for head_dim in range(16 // elem_bytes, 1025, 16 // elem_bytes):
+        row = head_dim * elem_bytes // 16
+        legal = spec_vectors(head_dim, elem_bytes)
+        for vectors in (1, 2, 4):
+            lanes = few_threads_per_row(head_dim, elem_bytes, vectors)
+            assert (lanes > 0) == (vectors in legal)
+            if lanes:
+                assert lanes == -(-row // vectors)
+    for num_splits in range(0, 40):
+        for vectors in (1, 2, 4):
+            assert few_depth(num_splits, vectors) == spec_depth(num_splits, vectors)
+
+
+@pytest.mark.parametrize("lanes", [1, 3, 8, 24, 72, 128, 256])
+@pytest.mark.parametrize("rows", [1, 7, 32, 1029, 1 << 20, (1 << 30) // 3, 1 << 31, 1 << 40])
+@pytest.mark.parametrize("sm_count", [1, 132])
+def test_the_grid_covers_every_row_in_whole_passes(lanes, rows, sm_count):
+    """One pass when the call's threads fit 2^30; else passes of whole rows (the grid's
+    threads a multiple of the row's) on thread indices below 2^31; CTAs a power of two
+    of 32..256 threads, small enough that a call's threads reach every SM."""
+    cta, ctas, rows_per_pass = few_launch(lanes, rows, sm_count)
+    assert cta in (32, 64, 128, 256)
+    threads = rows * lanes
+    assert ctas * cta < 1 << 31
+    if threads <= 1 << 30:
+        assert rows_per_pass == rows and (ctas - 1) * cta < threads <= ctas * cta
+        if cta < 256:  # a smaller CTA would leave none of its SMs' share out
+            assert -(-threads // sm_count) <= cta
+    else:
+        assert ctas * cta == rows_per_pass * lanes and rows_per_pass % cta == 0
+
+
+@pytest.mark.parametrize("family, slices, kv_split, depth, vectors, head_dim, words", [
+    ("few", 2, 1, 4, 1, 128, "slices"), ("few", 1, 2, 4, 1, 128, "kv_split"),
+    ("few", 1, 1, 8, 1, 128, "depth"), ("few", 1, 1, 4, 3, 128, "vectors"),
+    ("few", 1, 1, 4, 4, 16, "vectors"),   # 2 vectors a row: the 4-vector thread's steps 2, 3 empty
+    ("few", 1, 1, 4, 4, 40, "vectors"),   # 5 vectors: (4 - 1) * 2 >= 5
+    ("kvsplit", 1, 1, 4, 2, 128, "vectors"), ("dsplit", 2, 8, 4, 2, 128, "vectors")])
+def test_the_kernels_refuse_an_impossible_config(device, family, slices, kv_split, depth,
+                                                 vectors, head_dim, words, merge_kit):
+    """The launchers' own check, CUDA and CPU twin alike (the dispatcher never sends these):
+    nothing is written."""
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, head_dim, torch.bfloat16,
+                                          merge_kit.generator("few-geometry", vectors, head_dim))
+    partial_o, stats = partial_o.to(device), stats.to(device)
+    out = torch.full((4, head_dim), 7.0, dtype=torch.bfloat16, device=device)
+    plan = _kernel.Plan(KernelConfig.kvsplit(1), merge.MAXSUM, partial_o, stats, out, None, 1.0)
+    ext = _native.ext()
+    bad = ext.KernelConfig(FAMILY_CODES[family], slices, kv_split, depth, vectors)
+    object.__setattr__(plan, "native", ext.Launch(plan.native.params, bad, plan.native.target))
+    with pytest.raises(ValueError, match=f"unsupported {words}"):
+        _kernel.run(plan, partial_o, stats, out, 1.0)
+    assert torch.equal(out.cpu(), torch.full((4, head_dim), 7.0, dtype=torch.bfloat16))
+
+
+# -- numerics -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_config_matches_reference_and_k1(device, fmt, dtypes, head_dim, merge_kit,
+                                                chosen_kv_split, monkeypatch):
+    """Sinks, split counts, empty splits and exported stats at 2..16 states; split-major and
+    row-major layouts; rows that end mid-CTA."""
+    partial_dtype = dtypes[0]
+    gen = merge_kit.generator("few", fmt, str(dtypes), head_dim)
+    configs = few_configs(head_dim, partial_dtype.itemsize)
+    assert configs
+    for num_splits in (2, 3, 5, 16):
+        rows, heads = 4 * int(torch.randint(1, 9, (), generator=gen)) + 3, 1
+        partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, partial_dtype, gen,
+                                              empty_fraction=0.3)
+        split_counts = torch.randint(0, num_splits + 3, (rows,), generator=gen, dtype=torch.int32)
+        sinks = torch.randn(heads, generator=gen) + 2.0
+        scale = merge_kit.scale_log2(gen)
+        expected = merge_kit.reference(fmt, partial_o, stats, scale=scale, sinks=sinks,
+                                       split_counts=split_counts)
+        row_major_o = partial_o.transpose(0, 1).contiguous().transpose(0, 1)
+
+        def run(o, counts):
+            inputs = [t.to(device) for t in (o, stats, sinks)]
+            return merge_kit.merge(fmt, *inputs[:2], scale=scale, sinks=inputs[2],
+                                   split_counts=None if counts is None else counts.to(device),
+                                   **out_kwargs(rows, head_dim, dtypes[1], dtypes[0], device))
+
+        monkeypatch.setenv("KVSPLIT_MODE", "off")
+        base_out, base_stats = run(partial_o, split_counts)
+        for i, config in enumerate(configs):
+            pin(monkeypatch, config)
+            out, out_stats = run((partial_o, row_major_o)[i % 2], split_counts)
+            merge_kit.assert_matches_reference(out, out_stats, *expected)
+            merge_kit.assert_same_function(fmt, out, out_stats, base_out, base_stats)
+            # Every row merging every state: the kernel's plain path.
+            plain, plain_stats = run(partial_o, None)
+            merge_kit.assert_matches_reference(plain, plain_stats, *merge_kit.reference(
+                fmt, partial_o, stats, scale=scale, sinks=sinks))
+    assert chosen_kv_split == ([1] + [c for c in configs for _ in range(2)]) * 4
+
+
+@pytest.mark.parametrize("vectors", [1, 2, 4])
+@pytest.mark.parametrize("with_counts", [True, False], ids=["split-counts", "plain"])
+def test_every_count_of_states_and_rounds(device, vectors, with_counts, merge_kit,
+                                          chosen_kv_split, monkeypatch):
+    """1..20 states: one round of each depth (2, 4, 8, 16; at most 8 loads a thread of
+    several vectors), and several rounds past it; split counts give rows of every count up
+    to the call's, some empty."""
+    head_dim, rows = 128, 13
+    config = KernelConfig.few(vectors)
+    for num_splits in range(1, 21):
+        gen = merge_kit.generator("few-rounds", vectors, num_splits)
+        partial_o, stats = merge_kit.partials("maxsum", num_splits, rows, head_dim,
+                                              torch.bfloat16, gen)
+        split_counts = None
+        if with_counts:
+            split_counts = torch.arange(rows, dtype=torch.int32) % (num_splits + 2)
+        scale = merge_kit.scale_log2(gen)
+        pin(monkeypatch, config)
+        out, out_stats = merge_kit.merge(
+            "maxsum", partial_o.to(device), stats.to(device), scale=scale,
+            split_counts=None if split_counts is None else split_counts.to(device))
+        merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
+            "maxsum", partial_o, stats, scale=scale, split_counts=split_counts))
+        if with_counts:
+            assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
+    assert chosen_kv_split == [config] * 20
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_raw_stats_empty_rows_and_nan(device, fmt, merge_kit, chosen_kv_split, monkeypatch):
+    """Random scales and the base-e LSE, empty splits (-inf) and whole empty rows, and a NaN
+    stat that must poison its own row and no other."""
+    head_dim, rows, poisoned_row = 128, 9, 4
+    configs = few_configs(head_dim, 2)
+    for config in configs:
+        gen = merge_kit.generator("few-nan", fmt, config.vectors)
+        num_splits = int(torch.randint(2, 17, (), generator=gen))
+        partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16,
+                                              gen, empty_fraction=0.3)
+        if fmt == "maxsum":
+            stats[:, 0] = torch.tensor([-math.inf, 0.0])
+        else:
+            stats[:, 0] = -math.inf
+        scale = merge_kit.scale_log2(gen)
+        pin(monkeypatch, config)
+        out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale)
+        merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
+            fmt, partial_o, stats, scale=scale))
+        assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
+        poisoned = stats.clone()
+        poisoned[num_splits // 2, poisoned_row] = math.nan
+        bad_out, bad_stats = merge_kit.merge(fmt, partial_o.to(device), poisoned.to(device),
+                                             scale=scale)
+        others = torch.arange(rows) != poisoned_row
+        assert bad_out[poisoned_row].isnan().all()
+        assert torch.equal(bad_out[others].cpu(), out[others].cpu())
+        assert torch.equal(bad_stats[others].cpu(), out_stats[others].cpu())
+    assert chosen_kv_split == [c for c in configs for _ in range(2)]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 1029])
+def test_structured_rows_of_any_strides(device, rows, monkeypatch):
+    """(tokens, heads) rows with token-major partials, a head-major LSE (scattered stats),
+    a strided output and sinks: every row found through its (token, head)."""
+    heads, head_dim, num_splits = 3, 192, 4
+    tokens = -(-rows // heads)
+    g = torch.Generator().manual_seed(rows)
+    o = torch.randn(num_splits, tokens, heads, head_dim, generator=g).bfloat16()
+    lse = 3 * torch.randn(num_splits, tokens, heads, generator=g)
+    sinks = torch.randn(heads, generator=g)
+    ref, ref_lse = reference.merge_lse_reference(
+        o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e,
+        sinks=sinks)
+    o_view = o.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3).to(device)
+    lse_view = lse.permute(0, 2, 1).contiguous().permute(0, 2, 1).to(device)
+    for config in few_configs(head_dim, 2):
+        pin(monkeypatch, config)
+        out = torch.full((tokens, heads, head_dim + 16), 7.0, dtype=torch.bfloat16,
+                         device=device)[..., :head_dim]
+        _, out_lse = kvsplit.merge_lse(o_view, lse_view, base=math.e, sinks=sinks.to(device),
+                                       out=out, return_lse=True)
+        torch.testing.assert_close(out.cpu().double().reshape(-1, head_dim), ref,
+                                   rtol=2 ** -8, atol=1e-5)
+        torch.testing.assert_close(out_lse.cpu().double().reshape(-1), ref_lse.float().double(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
+def test_in_place_merges_keep_a_row_in_one_warp(device, heads, head_dim, monkeypatch):
+    """FlashInfer's in-place merge (stats exported over split 0's, a row mask): a Few row's
+    threads must share a warp, so a config whose rows would not (D = 512 at one vector a
+    thread: 64 threads) runs with more vectors a thread."""
+    from kvsplit.compat import flashinfer
+
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    seq = 7
+    v, v_other = (torch.randn(seq, heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    s, s_other = (4 * torch.randn(seq, heads, generator=gen) for _ in range(2))
+    mask = torch.rand(seq, generator=gen) < 0.7
+    top = torch.maximum(s, s_other).double()
+    w, w_other = torch.exp2(s.double() - top), torch.exp2(s_other.double() - top)
+    expected_v = ((w.unsqueeze(-1) * v.double() + w_other.unsqueeze(-1) * v_other.double())
+                  / (w + w_other).unsqueeze(-1))
+    expected_s = (top + torch.log2(w + w_other)).float()
+    keep = mask.view(seq, 1)
+    want_v = torch.where(keep.unsqueeze(-1), expected_v, v.double())
+    want_s = torch.where(keep, expected_s, s)
+    launched = []
+    plan_init = _kernel.Plan.__init__
+    monkeypatch.setattr(_kernel.Plan, "__init__",
+                        lambda plan, config, *args, **kwargs: (launched.append(config),
+                                                               plan_init(plan, config, *args,
+                                                                         **kwargs))[-1])
+    for config in few_configs(head_dim, 2):
+        pin(monkeypatch, config)
+        v_dev, s_dev = v.to(device, copy=True), s.to(device, copy=True)
+        flashinfer.merge_state_in_place(v_dev, s_dev, v_other.to(device), s_other.to(device),
+                                        mask=mask.to(device))
+        torch.testing.assert_close(v_dev.cpu().double(), want_v, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(s_dev.cpu(), want_s, atol=1e-4, rtol=1e-4)
+    lanes = [few_threads_per_row(head_dim, 2, c.vectors) for c in launched]
+    assert all(c.family == "few" and 32 % n == 0 for c, n in zip(launched, lanes))
+    if head_dim == 512:  # one vector a thread is 64 threads a row: two vectors run instead
+        assert launched[0] == KernelConfig.few(2)
+
+
+@pytest.mark.parametrize("vectors", [1, 2, 4])
+def test_two_states_in_separate_tensors(device, vectors, monkeypatch):
+    """vLLM's and FlashInfer's two-state merges: parts held apart (the split stride is their
+    distance, per call), the output and LSE of each adapter."""
+    from kvsplit.compat import flashinfer
+
+    g = torch.Generator().manual_seed(vectors)
+    tokens, heads, head_dim = 9, 5, 128
+    pin(monkeypatch, KernelConfig.few(vectors))
+    for _ in range(2):  # new tensors: another distance between the parts
+        v_a, v_b = (torch.randn(tokens, heads, head_dim, generator=g).bfloat16()
+                    for _ in range(2))
+        s_a, s_b = (3 * torch.randn(tokens, heads, generator=g) for _ in range(2))
+        ref, ref_lse = reference.merge_lse_reference(
+            torch.stack([v_a, v_b]).reshape(2, -1, head_dim), torch.stack([s_a, s_b]).reshape(2, -1),
+            base=2.0)
+        out, lse = flashinfer.merge_state(v_a.to(device), s_a.to(device), v_b.to(device),
+                                          s_b.to(device))
+        torch.testing.assert_close(out.cpu().double().reshape(-1, head_dim), ref, rtol=2 ** -8,
+                                   atol=1e-5)
+        torch.testing.assert_close(lse.cpu().double().reshape(-1), ref_lse.float().double(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtypes", DTYPES)
+def test_cuda_agrees_with_the_cpu_twin(cuda_device, fmt, dtypes, merge_kit, monkeypatch):
+    """The twin merges in the kernel's rounds: the two agree to float32 rounding (the GPU's
+    approximate exp2 and fused multiply-adds), outputs within one ulp, stats to 2e-6."""
+    head_dim = 192
+    for config in few_configs(head_dim, dtypes[0].itemsize):
+        for num_splits in (2, 4, 7, 16, 19):
+            gen = merge_kit.generator("few-twin", fmt, str(dtypes), config.vectors, num_splits)
+            rows = 300
+            partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, dtypes[0], gen,
+                                                  empty_fraction=0.2)
+            split_counts = torch.randint(0, num_splits + 1, (rows,), generator=gen,
+                                         dtype=torch.int32)
+            scale = merge_kit.scale_log2(gen)
+            pin(monkeypatch, config)
+            results = [merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale,
+                                       split_counts=split_counts.to(device),
+                                       **out_kwargs(rows, head_dim, dtypes[1], dtypes[0], device))
+                       for device in ("cpu", cuda_device)]
+            merge_kit.assert_same_function(fmt, *results[1], *results[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vectors", [1, 2])
+def test_offsets_past_2_to_the_31(cuda_device, vectors, merge_kit, chosen_kv_split, monkeypatch):
+    """Partials 2^29 elements apart (4 GiB of bf16 in all): the last state's offset, 2^31
+    elements, takes 64-bit addressing."""
+    num_splits, rows, head_dim = 5, 8, 128
+    gen = merge_kit.generator("few-offsets", vectors)
+    partial_o, stats = merge_kit.partials("lse2", num_splits, rows, head_dim, torch.bfloat16,
+                                          gen)
+    split_stride = 1 << 29
+    storage = torch.empty((num_splits - 1) * split_stride + rows * head_dim,
+                          dtype=torch.bfloat16, device=cuda_device)
+    spread = storage.as_strided((num_splits, rows, head_dim), (split_stride, head_dim, 1))
+    spread.copy_(partial_o)
+    config = KernelConfig.few(vectors)
+    pin(monkeypatch, config)
+    out, lse = merge_kit.merge("lse2", spread, stats.to(cuda_device))
+    merge_kit.assert_matches_reference(out, lse, *merge_kit.reference("lse2", partial_o, stats))
+    assert chosen_kv_split == [config]
+
+
+@pytest.mark.parametrize("mode", ["few:3", "few", "few:", "few:1:2", "few:8", "few:-1"])
+def test_a_bad_mode_is_refused_naming_the_variable(mode, merge_kit, monkeypatch):
+    partial_o, stats = merge_kit.partials("maxsum", 4, 4, 128, torch.bfloat16,
+                                          merge_kit.generator("few-mode", mode))
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
+    with pytest.raises(ValueError, match="KVSPLIT_MODE"):
+        merge_kit.merge("maxsum", partial_o, stats)
+
+
+def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split, monkeypatch):
+    """Four vectors a thread of a 2-vector row would leave its last two steps empty: halved
+    to two (one thread a row)."""
+    gen = merge_kit.generator("few-pinned")
+    partial_o, stats = merge_kit.partials("maxsum", 3, 8, 16, torch.bfloat16, gen)
+    pin(monkeypatch, KernelConfig.few(4))
+    out, out_stats = merge_kit.merge("maxsum", partial_o.to(device), stats.to(device))
+    merge_kit.assert_matches_reference(out, out_stats,
+                                       *merge_kit.reference("maxsum", partial_o, stats))
+    assert chosen_kv_split == [KernelConfig.few(2)]

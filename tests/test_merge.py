@@ -500,7 +500,8 @@ def test_torch_compile_fullgraph(device, merge_kit):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_split, mode", [(None, None), (4, None), (None, "dsplit:4:16")])
+@pytest.mark.parametrize("kv_split, mode", [(None, None), (4, None), (None, "dsplit:4:16"),
+                                           (None, "few:2")])
 def test_cuda_graph_capture_and_replay(cuda_device, kv_split, mode, merge_kit, monkeypatch):
     if mode:
         monkeypatch.setenv("KVSPLIT_MODE", mode)

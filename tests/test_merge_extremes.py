@@ -20,16 +20,18 @@ from kvsplit.config import KernelConfig
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
 
-CONFIGS = {"cpu": [KernelConfig.kvsplit(1), KernelConfig.kvsplit(4)],
+CONFIGS = {"cpu": [KernelConfig.kvsplit(1), KernelConfig.kvsplit(4), KernelConfig.few(2)],
            "cuda": [KernelConfig.kvsplit(1), KernelConfig.kvsplit(4),
-                    KernelConfig.dsplit(1, 4, 4), KernelConfig.dsplit(2, 8, 16)]}
+                    KernelConfig.dsplit(1, 4, 4), KernelConfig.dsplit(2, 8, 16),
+                    KernelConfig.few(1), KernelConfig.few(4)]}
 NUM_SPLITS, ROWS, HEAD_DIM = 12, 16, 128
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def pin(monkeypatch, config):
-    monkeypatch.setenv("KVSPLIT_MODE", str(config.kv_split) if config.family == "kvsplit"
-                       else f"dsplit:{config.slices}:{config.kv_split}:{config.depth}")
+    modes = {"dsplit": f"dsplit:{config.slices}:{config.kv_split}:{config.depth}",
+             "few": f"few:{config.vectors}"}
+    monkeypatch.setenv("KVSPLIT_MODE", modes.get(config.family, str(config.kv_split)))
 
 
 def assert_finite_and_close(out, stats, ref_out, ref_stats):

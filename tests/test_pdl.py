@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("dispatch_sandbox")]
 
 
 @pytest.mark.parametrize("kv_split, mode", [(1, None), (4, None), (8, None),
-                                           (None, "dsplit:4:16"), (None, "dsplit:2:32")])
+                                           (None, "dsplit:4:16"), (None, "dsplit:2:32"),
+                                           (None, "few:1"), (None, "few:4")])
 def test_pdl_chained_after_a_producer(cuda_device, monkeypatch, kv_split, mode):
     """The producer writes the partials right before the merge: PDL must wait for it."""
     monkeypatch.setenv("KVSPLIT_PDL", "1")
@@ -37,7 +38,7 @@ def test_pdl_chained_after_a_producer(cuda_device, monkeypatch, kv_split, mode):
     assert error < 4e-3
 
 
-@pytest.mark.parametrize("mode", ["4", "dsplit:2:8"])
+@pytest.mark.parametrize("mode", ["4", "dsplit:2:8", "few:2"])
 def test_pdl_inside_a_cuda_graph(cuda_device, monkeypatch, mode):
     monkeypatch.setenv("KVSPLIT_PDL", "1")
     monkeypatch.setenv("KVSPLIT_MODE", mode)

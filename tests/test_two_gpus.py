@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two GPUs")]
 
-CONFIGS = ["4", "dsplit:2:4:8"]  # KVSPLIT_MODE: a KvSplit K and a DSplit config, no tuning
+CONFIGS = ["4", "dsplit:2:4:8", "few:2"]  # KVSPLIT_MODE: one config of each family, no tuning
 
 
 def problem(seed: int, num_splits=16, rows=64, head_dim=128):

@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsplit.config import FAMILIES, KernelConfig
-from kvsplit.dispatch.constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES,
-                                          KV_SPLITS, constrain, constrain_config,
-                                          dsplit_violations, kvsplit_config, num_ctas,
+from kvsplit.dispatch.constraints import (DSPLIT, DSPLIT_DEPTHS, DSPLIT_KV_SPLITS,
+                                          DSPLIT_SLICES, FEW_MAX_SPLITS, FEW_VECTORS, KV_SPLITS,
+                                          KVSPLIT, constrain, constrain_config,
+                                          dsplit_violations, few_mended, group_quant_config,
+                                          in_place_config, kvsplit_config, num_ctas,
                                           rows_per_cta, valid_configs, valid_kv_splits, violations)
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None)
@@ -237,3 +239,118 @@ def test_stored_configs_are_launch_configs():
     assert config == KernelConfig.dsplit(4, 16, 8) and config.params == {
         "depth": 8, "kv_split": 16, "slices": 4}
     assert KernelConfig.kvsplit(8).params == {"kv_split": 8}
+
+
+# -- the Few family ---------------------------------------------------------------------------
+
+def spec_few_lanes(vectors, *, head_dim, elem_bytes):
+    """Threads per row of a Few thread of ``vectors`` vectors, written out (0: illegal)."""
+    row = head_dim * elem_bytes // 16
+    lanes = -(-row // vectors)
+    return lanes if vectors in (1, 2, 4) and (vectors - 1) * lanes < row else 0
+
+
+def spec_few_call_ok(vectors, *, head_dim, elem_bytes, in_place, quant_group):
+    """The rules a call adds: in place, a row's threads in one warp (L divides 32); per-group
+    scales, whole groups (quant_group * elem_bytes / 16 lanes) in a step of a row."""
+    lanes = spec_few_lanes(vectors, head_dim=head_dim, elem_bytes=elem_bytes)
+    if not lanes:
+        return False
+    if in_place and 32 % lanes:
+        return False
+    return not quant_group or lanes % (quant_group * elem_bytes // 16) == 0
+
+
+few_shapes = st.fixed_dictionaries({
+    "head_dim": st.sampled_from([8, 16, 32, 40, 64, 80, 96, 128, 192, 256, 512, 576, 1024]),
+    "elem_bytes": st.sampled_from([2, 4]),
+    "rows": st.integers(0, 2_000_000),
+    "num_splits": st.integers(0, 64),
+    "sm_count": st.one_of(st.none(), st.integers(1, 200)),
+    "max_split": st.one_of(st.none(), st.integers(-1, 40)),
+})
+
+
+@SETTINGS
+@given(st.sampled_from(FEW_VECTORS), few_shapes)
+def test_constrain_config_halves_few_vectors_until_legal(vectors, shape):
+    config = constrain_config(KernelConfig.few(vectors), **shape)
+    rule = dict(head_dim=shape["head_dim"], elem_bytes=shape["elem_bytes"])
+    fitting = [v for v in FEW_VECTORS if v <= vectors and spec_few_lanes(v, **rule)]
+    assert config == KernelConfig.few(max(fitting))  # one vector always fits
+    # Neither the states nor a cap on K change it: a Few config merges any count.
+    assert constrain_config(KernelConfig.few(vectors), **dict(shape, num_splits=4096,
+                                                                 max_split=1)) == config
+
+
+@SETTINGS
+@given(st.sampled_from(FEW_VECTORS), few_shapes, st.booleans(), st.sampled_from([0, 64, 128]))
+def test_calls_mend_few_configs_to_the_nearest_vectors_their_rules_allow(vectors, shape, in_place,
+                                                                         quant_group):
+    rule = dict(head_dim=shape["head_dim"], elem_bytes=shape["elem_bytes"])
+    if quant_group and shape["head_dim"] % quant_group:
+        return  # validation refuses such calls
+    call = dict(in_place=in_place, quant_group=quant_group)
+    mended = few_mended(KernelConfig.few(vectors), **rule, stats_in_place=in_place,
+                        quant_group=quant_group)
+    allowed = [v for v in FEW_VECTORS if spec_few_call_ok(v, **rule, **call)]
+    if not allowed:
+        assert mended is None
+        return
+    nearest = min(allowed, key=lambda v: (abs(v.bit_length() - vectors.bit_length()), v))
+    assert mended == KernelConfig.few(nearest)
+    rules = dict(shape)
+    del rules["max_split"]
+    # A call merges in place or writes per-group FP8 scales, never both (an in-place
+    # output is a partial's dtype): each mend serves its own rule.
+    if in_place and not quant_group:
+        assert in_place_config(KernelConfig.few(vectors), **rules) == mended
+    if quant_group and not in_place:
+        assert group_quant_config(KernelConfig.few(vectors), **rules,
+                                  quant_group=quant_group) == mended
+    if quant_group and not in_place:  # one vector a thread always holds whole groups
+        assert 1 in allowed
+
+
+@pytest.mark.parametrize("vectors, shape, expected", [
+    # a 2-vector row (16 bf16): four vectors a thread leave steps empty, two do not
+    (4, dict(head_dim=16, elem_bytes=2), 2),
+    # 5 vectors (40 bf16): 4 a thread is 2 threads, (4 - 1) * 2 >= 5; 2 a thread is 3
+    (4, dict(head_dim=40, elem_bytes=2), 2),
+    # one vector (8 bf16): only one a thread
+    (4, dict(head_dim=8, elem_bytes=2), 1), (2, dict(head_dim=8, elem_bytes=2), 1),
+    # D = 576 bf16, 72 vectors: 4 a thread (18 threads a row) is legal
+    (4, dict(head_dim=576, elem_bytes=2), 4),
+])
+def test_known_few_cases(vectors, shape, expected):
+    rules = dict(shape, rows=64, num_splits=2, sm_count=132)
+    assert constrain_config(KernelConfig.few(vectors), **rules) == KernelConfig.few(expected)
+
+
+@pytest.mark.parametrize("vectors, head_dim, in_place, quant_group, expected", [
+    (1, 512, True, 0, 2),       # 64 threads a row > a warp: two vectors a thread, 32 threads
+    (1, 128, True, 0, 1),       # 16 threads a row: in one warp
+    (4, 192, True, 0, None),    # 24 vectors: 24, 12 or 6 threads a row, none divides 32
+    (4, 128, False, 64, 2),     # 4 threads a row, groups of 8 lanes: 2 a thread (8 threads)
+    (4, 576, False, 64, 1),     # 18 threads a row: 72 with one a thread holds groups of 8
+    (2, 576, True, 0, None),    # 72 vectors: 72, 36 or 18 threads a row, none divides 32
+    (4, 256, False, 128, 2),    # groups of 16 lanes: 16 threads a row (two vectors) hold one
+])
+def test_known_few_call_cases(vectors, head_dim, in_place, quant_group, expected):
+    rules = dict(head_dim=head_dim, elem_bytes=2, rows=64, num_splits=2, sm_count=132)
+    mended = few_mended(KernelConfig.few(vectors), head_dim=head_dim, elem_bytes=2,
+                        stats_in_place=in_place, quant_group=quant_group)
+    assert mended == (None if expected is None else KernelConfig.few(expected))
+    if in_place:  # a call no Few config serves runs as KvSplit K = 1
+        assert in_place_config(KernelConfig.few(vectors), **rules) == (
+            mended or kvsplit_config(1))
+
+
+def test_few_is_offered_up_to_16_states_on_gpus_only():
+    rules = dict(head_dim=128, elem_bytes=2, rows=1024, sm_count=132)
+    few = {KernelConfig.few(v) for v in FEW_VECTORS}
+    assert few <= set(valid_configs(**rules, num_splits=16))
+    assert not few & set(valid_configs(**rules, num_splits=17))
+    assert not few & set(valid_configs(**rules, num_splits=2, families=(KVSPLIT, DSPLIT)))
+    assert FEW_VECTORS == FAMILIES["few"]["vectors"] == (1, 2, 4)
+    assert FEW_MAX_SPLITS == 16

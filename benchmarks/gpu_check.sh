@@ -2,8 +2,8 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests bench tune tune-adapters tune-coverage demo suites ptx80
-#   wheel-build wheel, or NAME for benchmarks/NAME.py
+#   stages: build tests all-tests few-tests bench bench_few tune tune-adapters tune-coverage
+#   demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   ptx80: a build whose only CUDA code is PTX for compute_80 (the driver compiles it for
 #   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
@@ -39,6 +39,17 @@ for stage in "${stages[@]}"; do
       python3 -P -c "import kvsplit._ext as e; print('built', e.cuda_build_hash, e.cpu_build_hash, e.cuda_architectures)" ;;
     tests)
       python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    few-tests)
+      # The Few family's GPU tests and the peers it is measured against (a subset of tests).
+      python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_merge_few.py \
+        tests/test_peer_kernels.py tests/test_merge_coverage.py tests/test_merge_extremes.py \
+        tests/test_pdl.py 2>&1 | tee -a "$LOG" | tail -25
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bench_few)
+      # Issue 30: N = 2, 4, 8, 16 next to the engines' designs and the read probe (each key
+      # tuned into $KVSPLIT_DB first; its table is also in report.md).
+      python3 -P benchmarks/bench_few.py --out "$OUT" ${BENCH_FEW_ARGS:-} 2>&1 | tee -a "$LOG" | tail -90
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     all-tests)
       python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee -a "$LOG" | tail -25

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import statistics
 import sys
 
 # Issue 2: the seed's design on an H200, (K=1, best K).
@@ -197,6 +198,56 @@ def peers_section(data: dict) -> str:
     return "\n".join(lines)
 
 
+FEW_PEERS = {"vllm": "vLLM", "fi2": "FI 2-state", "fiN": "FI N-state", "triton": "serial Triton"}
+
+
+def few_section(data: dict) -> str:
+    """Issue 30's table: few states, kvsplit auto next to the read probe and each peer."""
+    results = data["results"]
+    lines = [f"{data['gpu']}, {data['date']}: copy {data['copy_bytes_per_us'] / 1e6:.2f} TB/s, "
+             f"empty launch {data['noop_us']:.2f} us; torch {data.get('torch')}"
+             + ("" if data.get("complete", True) else f"; INCOMPLETE ({len(results)} shapes)")]
+    for name, why in data.get("failures", {}).items():
+        lines.append(f"{name} failed: {why.strip().splitlines()[-1]}")
+    lines += ["", "**L2-warm, graph replay** (us per launch; ratios > 1: kvsplit auto is slower)",
+              "", "| tokens x heads x D | N | MB | read | kvsplit auto | auto / read | before Few "
+              "| " + " | ".join(FEW_PEERS.values()) + " | auto / fastest peer | tuning ms |",
+              "|" + "---|" * (9 + len(FEW_PEERS))]
+    floor_misses, peer_ratios, read_ratios, tune_ms = [], [], [], []
+    for r in results:
+        t = r["warm"]
+        shape = f"{r['tokens']} x {r['heads']} x {r['head_dim']}"
+        label = f"{shape} N={r['num_splits']}"
+        auto, read = t["auto"], t["read"]
+        read_ratios.append((auto / read, label))
+        # Issue 30's floor: 1.1 x read above 4 MB, read + 0.4 us below.
+        if auto > (1.1 * read if r["bytes"] > 4e6 else read + 0.4):
+            floor_misses.append(label)
+        peers_here = {k: t[k] for k in FEW_PEERS if k in t}
+        fastest = min(peers_here.values()) if peers_here else None
+        if fastest:
+            peer_ratios.append((auto / fastest, label))
+        tune_ms.append(r["tune_ms"])
+        before = (f"{t['pre-few']:.2f} ({short(r['pre_few'])})" if "pre-few" in t else "-")
+        peer_cells = " | ".join(f"{t[k]:.2f}" if k in t else "-" for k in FEW_PEERS)
+        versus = f"{auto / fastest:.2f}" if fastest else "-"
+        lines.append(f"| {shape} | {r['num_splits']} | {r['bytes'] / 1e6:.1f} | {read:.2f} "
+                     f"| {auto:.2f} ({short(r['auto'])}) | {auto / read:.2f} | {before} "
+                     f"| {peer_cells} | {versus} | {r['tune_ms']:.0f} |")
+    lines += ["", "- " + _ratio_summary("auto / read", read_ratios, 1.1),
+              "- " + _ratio_summary("auto / fastest peer", peer_ratios, 1.0),
+              f"- over the floor (1.1 x read above 4 MB, read + 0.4 us below): "
+              f"{len(floor_misses)} of {len(results)}"
+              + (f" ({', '.join(floor_misses)})" if floor_misses else ""),
+              f"- first-use tuning: median {statistics.median(tune_ms):.0f} ms, max "
+              f"{max(tune_ms):.0f} ms over {len(tune_ms)} keys" if tune_ms else "- no tuning"]
+    diffs = [max(r["max_diff"].values()) for r in results if r["max_diff"]]
+    if diffs:
+        lines.append(f"- largest |other - kvsplit auto| over all shapes: {max(diffs):.1e} "
+                     "(bf16 outputs of order 1)")
+    return "\n".join(lines)
+
+
 def main() -> int:
     folder = pathlib.Path(sys.argv[1])
     if (folder / "bench_merge.json").exists():
@@ -209,7 +260,8 @@ def main() -> int:
     for name, render in (("bench_dispatch.json", dispatch_section),
                          ("bench_chain.json", chain_table), ("bench_peers.json", peers_section),
                          ("bench_host_cuda.json", host_table),
-                         ("bench_host_cpu.json", host_table)):
+                         ("bench_host_cpu.json", host_table),
+                         ("bench_few.json", few_section)):
         path = folder / name
         if path.exists():
             print(render(json.loads(path.read_text())), "\n")

@@ -54,6 +54,12 @@ KVSPLIT_HOST_DEVICE constexpr int few_depth(int64_t num_splits, int vectors) {
 #endif
 constexpr int kFewMinCtaThreads = KVSPLIT_FEW_MIN_CTA_THREADS;
 constexpr int kFewMaxCtaThreads = KVSPLIT_FEW_MAX_CTA_THREADS;
+// The launch bounds' minimum of CTAs per SM: 1 lets a kernel take the
+// registers to issue a whole round's loads back to back (56-148 a thread);
+// more trades them for resident threads (a lab knob, not yet measured).
+#ifndef KVSPLIT_FEW_MIN_CTAS
+#define KVSPLIT_FEW_MIN_CTAS 1
+#endif
 // The most threads one pass of the grid runs; a larger call loops over passes
 // (thread indices stay below 2^31 for FastDivmod).
 constexpr int64_t kFewMaxGridThreads = int64_t{1} << 30;

@@ -69,7 +69,7 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
 }
 
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors>
-__global__ void __launch_bounds__(kFewMaxCtaThreads, 1)
+__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_kernel(const MergeParams p, const FewGeometry geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;

@@ -2,8 +2,8 @@
 # One device run: install the carried wheels, build kvsplit, run the GPU tests
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
-#   stages: build tests all-tests few-tests bench bench_few tune tune-adapters tune-coverage
-#   demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
+#   stages: build tests all-tests few-tests bench bench_few lab_few tune tune-adapters
+#   tune-coverage demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   ptx80: a build whose only CUDA code is PTX for compute_80 (the driver compiles it for
 #   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
@@ -50,6 +50,10 @@ for stage in "${stages[@]}"; do
       # Issue 30: N = 2, 4, 8, 16 next to the engines' designs and the read probe (each key
       # tuned into $KVSPLIT_DB first; its table is also in report.md).
       python3 -P benchmarks/bench_few.py --out "$OUT" ${BENCH_FEW_ARGS:-} 2>&1 | tee -a "$LOG" | tail -90
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    lab_few)
+      # The Few kernel's knobs (CTA sizes, registers) side by side (LAB_VARIANTS to pick).
+      python3 -P benchmarks/lab/lab_few.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -20
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     all-tests)
       python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee -a "$LOG" | tail -25

@@ -4,6 +4,7 @@
 // ctypes, beside csrc/cuda/probe.cu.
 #include "kvsplit/launch.h"
 #include "kvsplit/merge_dsplit.cuh"
+#include "kvsplit/probe.h"
 
 namespace {
 __global__ void lab_empty_kernel() {}

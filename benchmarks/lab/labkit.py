@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import math
 import pathlib
 import subprocess
 import sys
@@ -28,20 +29,33 @@ class RowStrides(ctypes.Structure):
 
 
 class Params(ctypes.Structure):
-    """params.h's MergeParams, field for field."""
+    """params.h's MergeParams, field for field, with its C++ defaults (a zero
+    pass_through_tokens would pass every row through; tests/test_lab_params.py
+    holds the layout to the compiler's)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats",
-                 "row_mask")] + \
+                 "row_mask", "indptr", "out_scale", "group_scales")] + \
                [(name, ctypes.c_int32) for name in
                 ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
                [(name, ctypes.c_int64) for name in ("num_splits", "rows", "heads", "seqlen",
                                                     "o_stride_split")] + \
                [("o_row", RowStrides), ("stats_stride_split", ctypes.c_int64),
                 ("stats_row", RowStrides), ("out_row", RowStrides),
-                ("out_stats_row", RowStrides), ("row_mask_stride", ctypes.c_int64)] + \
+                ("out_stats_row", RowStrides), ("row_mask_stride", ctypes.c_int64),
+                ("pass_through_tokens", ctypes.c_int64), ("pass_through_split", ctypes.c_int32),
+                ("quant_group", ctypes.c_int32), ("group_scales_row", RowStrides),
+                ("group_scales_stride", ctypes.c_int64), ("group_scales_dtype", ctypes.c_int32),
+                ("scale_ue8m0", ctypes.c_bool), ("indptr_int64", ctypes.c_bool)] + \
                [(name, ctypes.c_float) for name in ("log2_scale", "export_scale", "empty_stat")] + \
                [("stats_in_place", ctypes.c_bool), ("flat_rows", ctypes.c_bool)]
+
+    DEFAULTS = {"heads": 1, "seqlen": 1, "row_mask_stride": 1, "pass_through_tokens": 2**63 - 1,
+                "group_scales_stride": 1, "group_scales_dtype": 2, "log2_scale": 1.0,
+                "export_scale": 1.0, "empty_stat": math.nan}
+
+    def __init__(self, **fields):
+        super().__init__(**{**self.DEFAULTS, **fields})
 
 
 def row_params(o, stats, out, **fields) -> Params:

@@ -57,7 +57,7 @@ def test_the_rules_are_the_written_ones(elem_bytes):
             assert (lanes > 0) == (vectors in legal)
             if lanes:
                 assert lanes == -(-row // vectors)
-    for num_splits in range(0, 40):
+    for num_splits in range(40):
         for vectors in (1, 2, 4):
             assert few_depth(num_splits, vectors) == spec_depth(num_splits, vectors)
 

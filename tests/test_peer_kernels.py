@@ -53,7 +53,7 @@ def check(out, out_lse, ref, ref_lse, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-H%d-D%d" % s)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-D{}".format(*s))
 def test_two_state_vllm(shape, dtype):
     v, s = states(2, *shape, dtype, ("vllm", shape, str(dtype)), empty=math.inf)
     ref, ref_lse = merge_reference(v, s, math.e, inf_is_empty=True)
@@ -65,7 +65,7 @@ def test_two_state_vllm(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-H%d-D%d" % s)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-D{}".format(*s))
 def test_two_state_flashinfer(shape, dtype):
     v, s = states(2, *shape, dtype, ("flashinfer-2", shape, str(dtype)))
     ref, ref_lse = merge_reference(v, s, 2.0)
@@ -77,7 +77,7 @@ def test_two_state_flashinfer(shape, dtype):
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-H%d-D%d" % s)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-D{}".format(*s))
 def test_states_flashinfer(shape, n):
     v, s = states(n, *shape, torch.bfloat16, ("flashinfer-n", shape, n))
     ref, ref_lse = merge_reference(v, s, 2.0)

@@ -44,7 +44,8 @@ for stage in "${stages[@]}"; do
       # The Few family's GPU tests and the peers it is measured against (a subset of tests).
       python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_merge_few.py \
         tests/test_peer_kernels.py tests/test_merge_coverage.py tests/test_merge_extremes.py \
-        tests/test_pdl.py 2>&1 | tee -a "$LOG" | tail -25
+        tests/test_pdl.py tests/test_merge.py::test_cuda_graph_capture_and_replay \
+        2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench_few)
       # Issue 30: N = 2, 4, 8, 16 next to the engines' designs and the read probe (each key

@@ -211,7 +211,7 @@ def _run_workers(work: dict[str, list[str]], db_url, l2: str, force: bool, lease
               callback=_words(lambda: ("same",) + installed.out_dtypes()),
               help="Output dtypes; 'same': the partial dtype, bfloat16 for float32 partials.")
 @click.option("--format", "formats", default="maxsum", show_default=True,
-              callback=_words(("maxsum", "lse", "maxsum:scattered", "lse:scattered")),
+              callback=_words(installed.stats_formats),
               help="Stats formats; ':scattered' keys the layouts whose adjacent rows' stats are "
                    "apart (vLLM's head-major LSE, FlashAttention 3's combine).")
 @click.option("--num-splits", default="16,32,64,132,264", show_default=True, callback=_ints)

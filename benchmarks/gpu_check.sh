@@ -10,6 +10,9 @@
 #   Python into /tmp/kvsplit-dist. wheel: installs that wheel (or $KVSPLIT_WHEEL) into a
 #   fresh venv with pip --no-deps, no compiler on PATH, and runs the GPU tests and the demo.
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
+#   Builds made elsewhere save device time: with .kvbuild/kv (and .kvbuild/ptx80) carried,
+#   `pip install --target` trees of this commit for the device's Python, build and ptx80
+#   take them instead of compiling (benchmarks/prebuild.sh makes them on a machine with nvcc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvsplit-out}
@@ -33,9 +36,13 @@ for stage in "${stages[@]}"; do
   echo "=== $stage"
   case $stage in
     build)
-      python3 -m pip install -v --no-build-isolation --no-deps --target /tmp/kv . \
-        > /tmp/kvsplit-build.log 2>&1 || { tail -40 /tmp/kvsplit-build.log | tee -a "$LOG"; exit 1; }
-      grep -E "warning|spill" /tmp/kvsplit-build.log | sort | uniq -c | head -20 | tee -a "$LOG"
+      if [ -d .kvbuild/kv ]; then
+        rm -rf /tmp/kv && cp -r .kvbuild/kv /tmp/kv && echo "prebuilt: .kvbuild/kv of $(cat .kvbuild/SOURCE 2>/dev/null)" | tee -a "$LOG"
+      else
+        python3 -m pip install -v --no-build-isolation --no-deps --target /tmp/kv . \
+          > /tmp/kvsplit-build.log 2>&1 || { tail -40 /tmp/kvsplit-build.log | tee -a "$LOG"; exit 1; }
+        grep -E "warning|spill" /tmp/kvsplit-build.log | sort | uniq -c | head -20 | tee -a "$LOG"
+      fi
       python3 -P -c "import kvsplit._ext as e; print('built', e.cuda_build_hash, e.cpu_build_hash, e.cuda_architectures)" ;;
     tests)
       python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
@@ -101,9 +108,13 @@ for stage in "${stages[@]}"; do
       # The proof without the other GPUs: no machine code at all, so every kernel this GPU
       # runs is the driver's compilation of the compute_80 PTX (no sm_90 instructions).
       export CUDA_CACHE_MAXSIZE=$((4 << 30))  # each kernel JIT-compiled once for the suite
-      CUDAARCHS=80-virtual python3 -m pip install -v --no-build-isolation --no-deps --upgrade \
-        --target /tmp/kv-ptx80 -C build-dir=build/ptx80 . > /tmp/kvsplit-ptx80.log 2>&1 ||
-        { tail -40 /tmp/kvsplit-ptx80.log | tee -a "$LOG"; status=1; continue; }
+      if [ -d .kvbuild/ptx80 ]; then
+        rm -rf /tmp/kv-ptx80 && cp -r .kvbuild/ptx80 /tmp/kv-ptx80
+      else
+        CUDAARCHS=80-virtual python3 -m pip install -v --no-build-isolation --no-deps --upgrade \
+          --target /tmp/kv-ptx80 -C build-dir=build/ptx80 . > /tmp/kvsplit-ptx80.log 2>&1 ||
+          { tail -40 /tmp/kvsplit-ptx80.log | tee -a "$LOG"; status=1; continue; }
+      fi
       PYTHONPATH=/tmp/kv-ptx80:/tmp/site python3 -P -c "import kvsplit._ext as e; \
 assert e.cuda_architectures == '80-virtual', e.cuda_architectures; \
 print('ptx80 build', e.cuda_build_hash, e.cuda_architectures)" 2>&1 | tee -a "$LOG"
@@ -123,7 +134,7 @@ print('ptx80 build', e.cuda_build_hash, e.cuda_architectures)" 2>&1 | tee -a "$L
       # What a user gets: the wheel in a fresh venv (this machine's torch through a .pth file),
       # pip --no-deps --no-index --only-binary, no nvcc on PATH; then info, the GPU tests and
       # the demo from it, never from the source tree.
-      wheel=${KVSPLIT_WHEEL:-$(ls /tmp/kvsplit-dist/kvsplit-*.whl 2>/dev/null | head -1)}
+      wheel=${KVSPLIT_WHEEL:-$(ls /tmp/kvsplit-dist/kvsplit-*.whl .kvbuild/dist/kvsplit-*.whl 2>/dev/null | head -1)}
       [ -n "$wheel" ] || { echo "wheel: no wheel (run wheel-build, or set KVSPLIT_WHEEL)" |
         tee -a "$LOG"; status=1; continue; }
       venv=/tmp/kvsplit-wheel-venv host_python=$(command -v python3)

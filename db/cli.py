@@ -19,7 +19,7 @@ from ..terminal import printable
 from .claims import Claims
 from .connect import open_store, open_store_for_repair
 from .errors import InvalidExportError
-from .schemas import Dtype, OutDtype
+from .schemas import Dtype, OutDtype, StatsFormat
 from .render import (
     console,
     records_table,
@@ -87,7 +87,8 @@ def _filters(function: Any) -> Any:
         click.option("--head-dim", type=int, help="Head dimension D."),
         click.option("--dtype", type=click.Choice(typing.get_args(Dtype)), help="Dtype of the partials."),
         click.option("--out-dtype", type=click.Choice(typing.get_args(OutDtype)), help="Output dtype."),
-        click.option("--stats-format", type=click.Choice(["maxsum", "lse"])),
+        click.option("--stats-format", type=click.Choice(typing.get_args(StatsFormat)),
+                     help="Stats format of the key (':scattered': stats of adjacent rows apart)."),
         click.option(
             "--num-splits", type=click.IntRange(min=1), help="Number of partials N (also finds its bucket's key)."
         ),

@@ -36,7 +36,7 @@ DSPLIT_KV_SPLITS: tuple[int, ...] = FAMILIES[DSPLIT]["kv_split"]
 DSPLIT_DEPTHS: tuple[int, ...] = FAMILIES[DSPLIT]["depth"]
 FEW_VECTORS: tuple[int, ...] = FAMILIES[FEW]["vectors"]
 CTAS_PER_SM: int = LIMITS["kvsplit_ctas_per_sm"]
-#: The most states of a call to which the Few family is offered (issue 30's few states).
+#: The most states of a call to which the Few family is offered (a policy, not a kernel limit).
 FEW_MAX_SPLITS = 16
 
 kvsplit_config = KernelConfig.kvsplit

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ._kernel import address as _address
 from ._kernel import call_add, current_stream
 from .layout import (_INDPTR_DTYPES, _PUBLIC_ROW_DIMS, NO_EXTRAS, Extras, _check_grad,
                      _extent, _LayoutPlan, _plans, _read_environment, _stats_name,
@@ -126,10 +127,6 @@ class _CallPlan:
                                                    _extent(extras.out_scale),
                                                    _extent(extras.group_scales)),
                                      names=dict(names) if names else None)
-
-
-def _address(tensor) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
 
 
 def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, out=None,

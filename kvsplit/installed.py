@@ -41,3 +41,11 @@ def out_dtypes() -> tuple[str, ...]:
     from .config import OUT_DTYPES
 
     return OUT_DTYPES
+
+
+def stats_formats() -> tuple[str, ...]:
+    """Stats formats a tuning key can hold: each kernel format, and it with ``:scattered``."""
+    from .config import SCATTERED, STATS_FORMAT_CODES
+
+    names = tuple(STATS_FORMAT_CODES)
+    return names + tuple(name + SCATTERED for name in names)

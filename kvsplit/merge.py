@@ -94,10 +94,10 @@ def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_count
     if call is None:  # rows = 0: nothing to launch
         return
     stream = _current_stream(plan.device_index) if plan.device_index >= 0 else 0
+    address = _kernel.address
     call((partial_o.data_ptr(),), (stats.data_ptr(),),
-         (0 if split_counts is None else split_counts.data_ptr(),
-          0 if sinks is None else sinks.data_ptr(), out.data_ptr(),
-          0 if out_stats is None else out_stats.data_ptr()), plan.log2_scale or scalar, stream)
+         (address(split_counts), address(sinks), out.data_ptr(), address(out_stats)),
+         plan.log2_scale or scalar, stream)
 
 
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):

@@ -414,3 +414,14 @@ def test_a_missing_driver_names_the_package_to_install(monkeypatch, url, module,
     monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     result = run("--db", url, "list")
     assert result.exit_code == 3 and f"pip install {package}" in result.stderr, result.output
+
+
+def test_list_filters_the_scattered_formats_tune_writes(db_url):
+    """Every stats format a key can hold, ':scattered' ones included, is a filter choice."""
+    with open_store(db_url) as store:
+        store.import_records([make_record(stats_format="lse:scattered", rows=4),
+                              make_record(stats_format="lse", rows=4)])
+    for fmt in ("lse:scattered", "lse"):
+        result = run("--db", db_url, "list", "--stats-format", fmt, "--json")
+        assert result.exit_code == 0, result.output
+        assert [r["key"]["stats_format"] for r in json.loads(result.stdout)] == [fmt]

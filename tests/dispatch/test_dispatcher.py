@@ -438,30 +438,31 @@ def test_each_database_url_has_its_own_choices(monkeypatch, call, tuner_calls, i
 
 # -- settings that kvsplit cannot use, a key that cannot be tuned, the first-use log -----------
 
-@pytest.mark.parametrize("bad", ["0", "-1", "abc", "2.0", " "])
-def test_a_max_split_that_is_not_a_positive_integer_is_refused(monkeypatch, merge_kit, bad):
+@pytest.mark.parametrize(("name", "bad", "message"), [
+    *(("KVSPLIT_MAX_SPLIT", bad, "KVSPLIT_MAX_SPLIT must be a positive integer")
+      for bad in ("0", "-1", "abc", "2.0", " ")),
+    *(("KVSPLIT_PDL", bad, "KVSPLIT_PDL must be 0 or 1") for bad in ("yes", "on", "true", "2", " 1")),
+])
+def test_a_setting_kvsplit_cannot_read_is_refused(monkeypatch, merge_kit, name, bad, message):
+    """A value kvsplit cannot read is an error naming the variable, never read as a default."""
     from kvsplit.dispatch import InvalidSetting
 
-    gen = merge_kit.generator("max split", bad)
+    gen = merge_kit.generator(name, bad)
     partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)
-    monkeypatch.setenv("KVSPLIT_MAX_SPLIT", bad)
-    with pytest.raises(InvalidSetting, match="KVSPLIT_MAX_SPLIT must be a positive integer"):
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(InvalidSetting, match=message):
         kvsplit.merge_maxsum(partial_o, stats, 1.0)
 
 
-@pytest.mark.parametrize("bad", ["yes", "on", "true", "2", " 1"])
-def test_a_pdl_setting_that_is_not_0_or_1_is_refused(monkeypatch, merge_kit, bad):
-    """Like the other variables: a value kvsplit cannot read is an error, never read as off."""
-    from kvsplit.dispatch import InvalidSetting
-
-    gen = merge_kit.generator("pdl", bad)
-    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16, gen)
-    monkeypatch.setenv("KVSPLIT_PDL", bad)
-    with pytest.raises(InvalidSetting, match="KVSPLIT_PDL must be 0 or 1"):
-        kvsplit.merge_maxsum(partial_o, stats, 1.0)
+def test_pdl_reads_0_empty_and_1(monkeypatch, merge_kit):
+    """The values KVSPLIT_PDL takes merge as without it (on the CPU PDL changes nothing)."""
+    partial_o, stats = merge_kit.partials("maxsum", 8, 4, 64, torch.bfloat16,
+                                          merge_kit.generator("pdl"))
+    monkeypatch.delenv("KVSPLIT_PDL", raising=False)
+    expected = kvsplit.merge_maxsum(partial_o, stats, 1.0)
     for good in ("0", "", "1"):
         monkeypatch.setenv("KVSPLIT_PDL", good)
-        kvsplit.merge_maxsum(partial_o, stats, 1.0)
+        assert torch.equal(kvsplit.merge_maxsum(partial_o, stats, 1.0), expected)
 
 
 def test_a_key_with_no_working_candidate_gets_the_heuristic_with_a_warning(monkeypatch, call, isolated,

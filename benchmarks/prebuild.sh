@@ -8,7 +8,7 @@
 #   usage: benchmarks/prebuild.sh [--python PY] [--wheel]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3.12) wheel=0
+py=python3.12 wheel=0
 while [ $# -gt 0 ]; do
   case $1 in
     --python) py=$2; shift ;;
@@ -17,6 +17,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+command -v "$py" >/dev/null || { echo "prebuild.sh: no $py (give the device's Python with --python)" >&2; exit 2; }
 "$py" -c "import scikit_build_core, pybind11" 2>/dev/null ||
   "$py" -m pip install -q scikit-build-core pybind11 cmake ninja
 rm -rf .kvbuild/kv .kvbuild/ptx80

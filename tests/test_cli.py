@@ -214,7 +214,7 @@ def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
 def test_tune_spins_a_gpu_up_once_before_its_first_key(env, monkeypatch):
     """A CUDA worker keeps its GPU busy before it times anything, once a run; a CPU one never.
     (The GPU is faked: the tuner is stubbed, so no kernel runs.)"""
-    from kvsplit.autotune import cli as tune_cli
+    from kvsplit.cli import tune as tune_cli
     from kvsplit.autotune import timing
 
     events = []

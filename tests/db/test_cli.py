@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from clirun import invoke
 from dbtestlib import A100, make_record
 from kvsplit.db import dump_export, make_export, open_store
-from kvsplit.db.cli import db
+from kvsplit.cli.db import db
 from kvsplit.db.engine import create_db_engine
 from kvsplit.db.migrate import VERSION_TABLE
 
@@ -319,7 +319,7 @@ def test_list_shows_every_winner_whole_on_one_line(width):
     from rich.console import Console
 
     from kvsplit.db import KernelConfig
-    from kvsplit.db.render import records_table
+    from kvsplit.cli.render import records_table
 
     records = [
         make_record(device=A100, partial_dtype="float32", rows=1_048_576, num_splits=1024).model_copy(

@@ -30,9 +30,9 @@ from rich.console import Console
 from kvsplit import info as info_module
 from kvsplit.cli import main
 from kvsplit.db import Claims, DeviceInfo, dump_export, make_export, open_store
-from kvsplit.db import cli as db_cli
-from kvsplit.db import plot as plot_module
-from kvsplit.db import render
+from kvsplit.cli import db as db_cli
+from kvsplit.cli import plot as plot_module
+from kvsplit.cli import render
 from kvsplit.terminal import printable
 
 MARKUP = "[bold red]MARKUP[/bold red] [link=http://x]y[/link]"
@@ -163,7 +163,7 @@ def test_info_shows_its_facts_escaped_and_json_exact(monkeypatch):
 
 
 def test_tune_failures_show_the_key_and_error_as_data():
-    from kvsplit.autotune import cli as tune_cli
+    from kvsplit.cli import tune as tune_cli
 
     key = make_record(device=DeviceInfo(name=MARKUP + "\x1b[31m", cc_major=9, cc_minor=0, sm_count=132)).key
     out = io.StringIO()

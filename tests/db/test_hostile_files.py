@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from kvsplit import files
 from kvsplit.db import InvalidExportError, dump_export, make_export, open_store, parse_export
 from kvsplit.db import export_text
-from kvsplit.db.cli import db
+from kvsplit.cli.db import db
 
 LIMIT_TEXT = "64 MiB"
 # Lines of a refused import: "Error: ...", five problems, the count of the rest.

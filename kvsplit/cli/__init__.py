@@ -7,10 +7,9 @@ import os
 
 import click
 
-from .autotune.cli import tune
-from .clikit import EXIT_DATABASE, EXIT_INVALID, MappedErrors, db_option, db_url, debug_option
-from .db.cli import db
-from .terminal import printable
+from ..terminal import printable
+from . import db, tune
+from .kit import EXIT_DATABASE, EXIT_INVALID, MappedErrors, db_option, db_url, debug_option
 
 
 @click.group(cls=MappedErrors, context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,8 +26,8 @@ def main() -> None:
     """
 
 
-main.add_command(db)
-main.add_command(tune)
+main.add_command(db.db)
+main.add_command(tune.tune)
 
 
 @main.command()
@@ -41,7 +40,7 @@ def info(ctx: click.Context, as_json: bool) -> None:
     Exits 2 if KVSPLIT_MODE or KVSPLIT_MAX_SPLIT is invalid and 3 if the
     database has a problem, after printing everything.
     """
-    from .info import collect
+    from ..info import collect
 
     facts, exit_code = collect(db_url(ctx))
     if as_json:
@@ -64,7 +63,7 @@ def demo(ctx: click.Context, device: str | None, seed: int) -> None:
     """Merge a real decode step with kv_split=None: tune at first use, store, reuse; check the result."""
     import torch  # not at import: `kvsplit db ...` needs no torch
 
-    from .demo import run
+    from ..demo import run
 
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: torch sees no CUDA device here (a CPU build of "

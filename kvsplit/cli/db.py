@@ -13,13 +13,13 @@ from typing import Any
 
 import click
 
-from ..clikit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
+from .kit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
                       db_url, storing_db_url)
 from ..terminal import printable
-from .claims import Claims
-from .connect import open_store, open_store_for_repair
-from .errors import InvalidExportError
-from .schemas import Dtype, OutDtype, StatsFormat
+from ..db.claims import Claims
+from ..db.connect import open_store, open_store_for_repair
+from ..db.errors import InvalidExportError
+from ..db.schemas import Dtype, OutDtype, StatsFormat
 from .render import (
     console,
     records_table,
@@ -31,8 +31,8 @@ from .render import (
     show_stats,
     to_json,
 )
-from .store import Store
-from .transfer import dump_export, parse_export, read_export_file
+from ..db.store import Store
+from ..db.transfer import dump_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 

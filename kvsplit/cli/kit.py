@@ -15,11 +15,11 @@ from typing import Any
 
 import click
 
-from .db.errors import DbWarning, InvalidExportError, StoreError
-from .db.targets import parse_target, visible
-from .dispatch import InvalidSetting
-from .files import InputRefused
-from .terminal import printable, printable_lines
+from ..db.errors import DbWarning, InvalidExportError, StoreError
+from ..db.targets import parse_target, visible
+from ..dispatch import InvalidSetting
+from ..files import InputRefused
+from ..terminal import printable, printable_lines
 
 EXIT_NOT_FOUND = 1
 EXIT_INTERNAL = 1

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..terminal import labelled, text
-from .schemas import BASELINE, ImportSummary, Progress, PruneResult, RepairResult, StoreStats, TuningRecord
+from ..db.schemas import BASELINE, ImportSummary, Progress, PruneResult, RepairResult, StoreStats, TuningRecord
 
 
 def _key_cells(k) -> tuple[Text, ...]:

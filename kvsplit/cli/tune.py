@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import installed
-from ..clikit import DatabaseProblem, db_option, storing_db_url
+from .kit import DatabaseProblem, db_option, storing_db_url
 from ..terminal import text
 
 _OUT_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "bfloat16"}
@@ -93,9 +93,9 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
 
     from ..db import Claims, TuningKey, open_store
     from ..dispatch.constraints import configs_for_key
-    from . import timing
-    from .fleet import owner_name, run_worker
-    from .tuner import tune
+    from ..autotune import timing
+    from ..autotune.fleet import owner_name, run_worker
+    from ..autotune.tuner import tune
 
     # A stored row that does not parse counts as not stored: the key is tuned
     # again and the new row replaces it (with a warning naming the row).
@@ -327,8 +327,8 @@ def _clear_pending(db_url, keys: list, outcomes: dict[str, tuple]) -> None:
 def _status(db_url, keys: list, as_json: bool) -> None:
     """``kvsplit tune --status``: the progress of this grid (or of the pending keys)."""
     from ..db import Claims, open_store
-    from ..db.render import console as table_console
-    from ..db.render import show_progress, to_json
+    from .render import console as table_console
+    from .render import show_progress, to_json
 
     with open_store(db_url, on_damage="warn") as store:
         result = Claims(store).progress(keys)

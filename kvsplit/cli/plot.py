@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..terminal import printable
-from .schemas import TuningRecord
+from ..db.schemas import TuningRecord
 
 #: Beyond this many (device, build, head dim, dtypes, stats) groups the plot gets unreadable.
 MAX_GROUPS = 24

@@ -1,9 +1,9 @@
 """Profiles the candidate configs of one tuning key and picks the winner.
 
 Scratch tensors of the key's shape are made on the target device (never the
-caller's tensors). The candidates are the caller's (the dispatcher's
+caller's tensors). The candidates are an argument (the dispatch layer's
 constraints decide what is valid: both families on a GPU, KvSplit on the
-CPU, whose slices are a GPU matter); :func:`prune`
+CPU, whose slices are a GPU matter); this module imports no dispatch code. :func:`prune`
 drops the ones that measurements on an H200 never saw win before anything is
 timed. Every candidate's output is compared with KvSplit K = 1; a mismatch
 disqualifies it (and is logged). A candidate that raises (a launch failure)
@@ -227,10 +227,11 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
     """Profile ``configs`` (pruned on GPUs unless ``pruned=False``) for ``key`` on ``device``;
     return the record (not stored). KvSplit K = 1, the reference, is always timed.
 
-    ``shape`` is the (rows, num_splits) to profile, at most the key's own
-    values: the call that asked for the key, or the values a grid named. By
-    default the key's own values, the upper ends of its buckets. The record
-    is keyed by ``key`` either way. (On the H200 the best config can change within a bucket: at
+    ``configs`` are the caller's, valid at ``key`` and at ``shape`` (the
+    dispatch layer's ``configs_for_key`` gives them). ``shape`` is the (rows,
+    num_splits) to profile, at most the key's own values: the call that asked
+    for the key, or the values a grid named. By default the key's own values,
+    the upper ends of its buckets. The record is keyed by ``key`` either way. (On the H200 the best config can change within a bucket: at
     D = 512, 64 rows the 8-deep P2xK8 was 8 % faster than P8xK4d16 at N = 132,
     level with it at 144, the upper end of that bucket.)
 
@@ -249,11 +250,6 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
             raise ValueError(f"shape (rows={rows}, num_splits={num_splits}) exceeds the key's "
                              f"buckets (rows={key.rows}, num_splits={key.num_splits})")
         key = key.model_copy(update={"rows": rows, "num_splits": num_splits})
-        # Of the key's configs, those the dispatcher's rules allow at this shape.
-        from ..dispatch.constraints import configs_for_key  # here: dispatch imports the tuner
-
-        allowed = set(configs_for_key(key, is_cuda=is_cuda))
-        configs = [c for c in configs if c in allowed]
     configs = prune(configs, key) if pruned and is_cuda else list(configs)
     if BASELINE not in configs:
         configs.insert(0, BASELINE)

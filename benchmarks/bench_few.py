@@ -80,8 +80,9 @@ def tune_here(o, lse, store):
                      tokens * heads)
     torch.cuda.synchronize()
     begin = time.perf_counter()
-    record = tuner.tune(key, o.device, configs_for_key(key, is_cuda=True),
-                        shape=(tokens * heads, n))
+    shape = (tokens * heads, n)
+    record = tuner.tune(key, o.device, configs_for_key(key, is_cuda=True, shape=shape),
+                        shape=shape)
     milliseconds = (time.perf_counter() - begin) * 1e3
     store.upsert(record)
     dispatcher.forget()  # the next call reads the database again

@@ -211,10 +211,21 @@ def valid_configs(*, head_dim: int, elem_bytes: int, rows: int, num_splits: int,
     return configs
 
 
-def configs_for_key(key, *, is_cuda: bool, max_split: int | None = None) -> list[KernelConfig]:
+def configs_for_key(key, *, is_cuda: bool, max_split: int | None = None,
+                    shape: tuple[int, int] | None = None) -> list[KernelConfig]:
     """The configs a tuner may time at tuning ``key``: every family on a GPU, KvSplit on
-    the CPU."""
-    return valid_configs(head_dim=key.head_dim, elem_bytes=DTYPE_BYTES[key.partial_dtype],
-                         rows=key.rows, num_splits=key.num_splits,
-                         sm_count=key.device.sm_count if is_cuda else None, max_split=max_split,
-                         families=(KVSPLIT, DSPLIT, FEW) if is_cuda else (KVSPLIT,))
+    the CPU. ``shape``, the (rows, num_splits) that the key is profiled at (at most the
+    key's values): only the configs that the constraints allow at both."""
+    families = (KVSPLIT, DSPLIT, FEW) if is_cuda else (KVSPLIT,)
+    configs = valid_configs(head_dim=key.head_dim, elem_bytes=DTYPE_BYTES[key.partial_dtype],
+                            rows=key.rows, num_splits=key.num_splits,
+                            sm_count=key.device.sm_count if is_cuda else None,
+                            max_split=max_split, families=families)
+    if shape is None:
+        return configs
+    rows, num_splits = shape
+    allowed = set(valid_configs(head_dim=key.head_dim, elem_bytes=DTYPE_BYTES[key.partial_dtype],
+                                rows=rows, num_splits=num_splits,
+                                sm_count=key.device.sm_count if is_cuda else None,
+                                max_split=max_split, families=families))
+    return [c for c in configs if c in allowed]

@@ -330,7 +330,7 @@ class Dispatcher:
                 return Decision(constrained(stored), "database", key)
             # Tuned without the caller's cap: the record goes to a shared
             # database; the cap applies to this call through constrained().
-            configs = configs_for_key(key, is_cuda=facts.is_cuda)
+            configs = configs_for_key(key, is_cuda=facts.is_cuda, shape=shape)
             log.info("kvsplit: profiling %d candidate configs%s for %s at first use "
                      "(`kvsplit tune` ahead of time, or KVSPLIT_MODE=cached, avoids this)",
                      len(configs), " (before pruning)" if facts.is_cuda else "", key.shape_label)

@@ -112,8 +112,9 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
                 timing.spin_up_gpu()
             warm = True
         shape = (shapes or {}).get(key.model_dump_json())
-        return tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda"), l2_state=l2,
-                    shape=None if shape is None else tuple(shape))
+        shape = None if shape is None else tuple(shape)
+        return tune(key, target, configs_for_key(key, is_cuda=target.type == "cuda", shape=shape),
+                    l2_state=l2, shape=shape)
 
     grid = [TuningKey.model_validate_json(k) for k in keys]
     model = grid[0].device.label if grid else ""

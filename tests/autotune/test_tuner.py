@@ -47,15 +47,17 @@ def plain_environment(monkeypatch, tmp_path):
     dispatch_module.dispatcher.forget()
 
 
-def candidates(key, *, max_split=None, is_cuda=True, pruned=True):
-    """What the dispatcher hands the tuner: the valid configs, pruned on GPUs."""
-    configs = configs_for_key(key, is_cuda=is_cuda, max_split=max_split)
+def candidates(key, *, max_split=None, is_cuda=True, pruned=True, shape=None):
+    """What the dispatcher hands the tuner: the valid configs (at the key and at the
+    profiled shape), pruned on GPUs."""
+    configs = configs_for_key(key, is_cuda=is_cuda, max_split=max_split, shape=shape)
     return prune(configs, key) if pruned and is_cuda else configs
 
 
 def tune(key, device, *, max_split=None, **options):
     return tuner.tune(key, device, candidates(key, max_split=max_split,
-                                              is_cuda=device.type == "cuda", pruned=False),
+                                              is_cuda=device.type == "cuda", pruned=False,
+                                              shape=options.get("shape")),
                       **options)
 
 

@@ -136,7 +136,8 @@ SCATTERED_ROW_FLOATS = 8
 
 
 class _Scratch:
-    """Random, self-consistent inputs of the key's shape on ``device``, and a plan per candidate."""
+    """Random, self-consistent inputs of the key's shape on ``device``, and a launch per
+    candidate."""
 
     def __init__(self, key, device: torch.device, copies: int, seed: int = 0):
         # Made on the device itself: building large scratch sets on the host
@@ -161,16 +162,16 @@ class _Scratch:
             self.sets.append((o.to(device, _DTYPES[key.partial_dtype]),
                               stats if stats.device == device else stats.to(device), out))
 
-    def plan(self, candidate: Candidate) -> _kernel.Plan:
+    def launch_of(self, candidate: Candidate) -> _kernel.Launch:
         """The launch of ``candidate`` on these sets (the config that is recorded, whatever
         KVSPLIT_* says)."""
         o, stats, out = self.sets[0]
-        return _kernel.Plan(candidate, self.stats_format, o, stats, out, None,
-                            math.log(2.0) if self.maxsum else 1.0)
+        return _kernel.Launch(candidate, self.stats_format, o, stats, out, None,
+                              math.log(2.0) if self.maxsum else 1.0)
 
-    def run(self, plan: _kernel.Plan, index: int = 0) -> torch.Tensor:
+    def run(self, launch: _kernel.Launch, index: int = 0) -> torch.Tensor:
         o, stats, out = self.sets[index % len(self.sets)]
-        return _kernel.run(plan, o, stats, out, 1.0)
+        return _kernel.run(launch, o, stats, out, 1.0)
 
 
 _REPLAY_US = 80.0  # a replay's target length on a GPU (120 put N = 200 keys at 51-53 ms)
@@ -192,12 +193,13 @@ def pick_winner(timings: dict[Candidate, Timing], noise_margin: float) -> Candid
                key=simplicity)
 
 
-def _measure(configs: list[Candidate], scratch: _Scratch, plans: dict, key, *, is_cuda: bool,
+def _measure(configs: list[Candidate], scratch: _Scratch, launches: dict, key, *, is_cuda: bool,
              batch: int, replays: int) -> dict[Candidate, Timing]:
     """Timings of the configs that time without raising (the others are left out, and logged)."""
     if is_cuda:  # all candidates replayed in turns: drift touches them alike
         try:
-            return time_cuda_graphs({c: (lambda i, p=plans[c]: scratch.run(p, i)) for c in configs},
+            return time_cuda_graphs({c: (lambda i, made=launches[c]: scratch.run(made, i))
+                                     for c in configs},
                                     batch=batch, replays=replays)
         except Exception:  # noqa: BLE001 - find the one that raised: time each alone
             log.debug("kvsplit: timing the candidates together raised; timing each alone")
@@ -205,10 +207,10 @@ def _measure(configs: list[Candidate], scratch: _Scratch, plans: dict, key, *, i
     for c in configs:
         try:
             if is_cuda:
-                measured[c] = time_cuda_graphs({c: lambda i, p=plans[c]: scratch.run(p, i)},
+                measured[c] = time_cuda_graphs({c: lambda i, made=launches[c]: scratch.run(made, i)},
                                                batch=batch, replays=replays)[c]
             else:
-                measured[c] = time_host(lambda i, p=plans[c]: scratch.run(p, i), batch=2,
+                measured[c] = time_host(lambda i, made=launches[c]: scratch.run(made, i), batch=2,
                                         replays=replays)
         except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
             log.warning("kvsplit: %s raised while timed for %s (%s: %s); recorded as failed",
@@ -262,7 +264,7 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
     with torch.cuda.device(device) if is_cuda else contextlib.nullcontext():
         scratch = _Scratch(key, device, copies)
         try:
-            reference = scratch.run(scratch.plan(BASELINE)).float().clone()
+            reference = scratch.run(scratch.launch_of(BASELINE)).float().clone()
         except Exception as error:  # noqa: BLE001 - reported to the caller as one clear error
             raise NoWorkingCandidate(f"no candidate config works for {record_key.shape_label}: "
                                      f"kv_split=1, the reference, raised "
@@ -270,11 +272,11 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
         timings: dict[Candidate, Timing] = {}
         results = []
         matched = {}
-        plans = {}
+        launches = {}
         for candidate in configs:
             try:
-                plans[candidate] = scratch.plan(candidate)
-                got = scratch.run(plans[candidate]).float()
+                launches[candidate] = scratch.launch_of(candidate)
+                got = scratch.run(launches[candidate]).float()
             except Exception as error:  # noqa: BLE001 - one failing candidate must not stop the search
                 log.warning("kvsplit: %s raised for %s (%s: %s); recorded as failed",
                             candidate.label, record_key.choice_key, type(error).__name__, error)
@@ -284,7 +286,7 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
             if not matched[candidate]:
                 log.warning("kvsplit: %s disagrees with kv_split=1 for %s (relative error %.3g); "
                             "disqualified", candidate.label, record_key.choice_key, error)
-        measured = _measure([c for c in configs if c in matched], scratch, plans, key,
+        measured = _measure([c for c in configs if c in matched], scratch, launches, key,
                             is_cuda=is_cuda, batch=max(batch, copies), replays=replays)
         for candidate in configs:
             timing = measured.get(candidate)

@@ -50,7 +50,7 @@ def every_config(torch, sm_count: int) -> list[str]:
             out = torch.empty(rows, head_dim, dtype=dtype, device="cuda")
             for config in valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows,
                                         num_splits=num_splits, sm_count=sm_count):
-                plan = _kernel.Plan(config, 1, o, lse, out, None, 1.0)
+                plan = _kernel.Launch(config, 1, o, lse, out, None, 1.0)
                 times[dtype, config] = time_cuda_graph(
                     lambda i, plan=plan, out=out: _kernel.run(plan, o, lse, out, 1.0),
                     batch=16, replays=7).median_us

@@ -90,7 +90,7 @@ def tune_here(o, lse, store):
 
 
 def config_launcher(config, o, lse, out):
-    plan = _kernel.Plan(config, merge.LSE, o, lse, out, None, 1.0)
+    plan = _kernel.Launch(config, merge.LSE, o, lse, out, None, 1.0)
     return lambda i: _kernel.run(plan, o, lse, out, 1.0)
 
 
@@ -104,7 +104,7 @@ def bench_shape(tokens, heads, head_dim, n, generator, store, failures):
     r["tuned_candidates"] = {c.config.label: c.median_us for c in record.candidates if c.samples}
 
     kvsplit.merge_lse(o, lse, base=2.0, out=out)  # plans the call: the choice is made here
-    plan = merge._plan(merge.LSE, o, lse, 2.0, None, None, out, False, None)
+    plan = merge._layout_launch(merge.LSE, o, lse, 2.0, None, None, out, False, None)
     r["auto"] = plan.kernel.config.label
     decision = dispatcher.explain(device_facts(o.device), head_dim, torch.bfloat16,
                                   torch.bfloat16, merge.LSE, n, tokens * heads)

@@ -2,12 +2,12 @@
 
 Run:  python -P benchmarks/bench_host.py [--out DIR] [--device cpu|cuda]
 
-Microseconds per call, no synchronisation, cache hit (the layout's plan and
+Microseconds per call, no synchronisation, cache hit (the layout's launch and
 the dispatcher's choice are made by the warm-up), ``out`` given:
   merge_*(kv_split=None)   the public call;
   merge_*(kv_split=K)      the same with a forced K;
   merge_*, Python path     the call without the binding's per-call path
-                           (kvsplit.merge._merge: key, plan, checks, launch);
+                           (kvsplit.merge._merge: key, launch lookup, checks, launch);
   of which: binding's ...  csrc/fast_call.cpp's call_fast called directly;
   raw binding              the launcher of the binding with a prepared
                            parameter object and the addresses (the floor of
@@ -62,10 +62,10 @@ def variants(device: str):
         name = "merge_lse"
     call()
     call(kv_split=1)
-    plan = next(p for p in dispatcher.plans.values() if p.kernel is not None)
-    launch = plan.kernel.native
+    layout = next(p for p in dispatcher.launches.values() if p.kernel is not None)
+    launch = layout.kernel.native
     addresses = (o.data_ptr(), stats.data_ptr(), 0, 0, out.data_ptr(), 0)
-    scale = plan.log2_scale or 0.1
+    scale = layout.log2_scale or 0.1
     fmt = merge.MAXSUM if device == "cuda" else merge.LSE
     scalar = 0.1 if device == "cuda" else 2.0
     table = {
@@ -86,7 +86,7 @@ def variants(device: str):
     table["aten out.add_(0)"] = lambda: out.add_(0)
     table.update(adapter_calls(device))
     # What the Python path adds to the raw binding, piece by piece:
-    table["  Python path, of which: layout key + plan lookup"] = lambda: merge._plan(
+    table["  Python path, of which: layout key + launch lookup"] = lambda: merge._layout_launch(
         fmt, o, stats, scalar, None, None, out, False, None)
     table["  of which: torch.compiler.is_compiling"] = torch.compiler.is_compiling
     table["  of which: 3 x data_ptr()"] = lambda: (o.data_ptr(), stats.data_ptr(), out.data_ptr())

@@ -93,7 +93,7 @@ def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, bandwidth, noop_
                             sm_count=sm_count)
 
     def launcher(sets, config):  # one plan: what an eager call of the layout pays per launch
-        plan = _kernel.Plan(config, merge.MAXSUM, *sets[0], None, merge._LN2,
+        plan = _kernel.Launch(config, merge.MAXSUM, *sets[0], None, merge._LN2,
                             pdl=os.environ.get("KVSPLIT_PDL") == "1")
         return lambda i: _kernel.run(plan, *sets[i % len(sets)], scale)
 

@@ -67,7 +67,7 @@ def kvsplit_auto(o, lse, out) -> None:
 
 
 def config_launcher(config, sets):
-    plan = _kernel.Plan(config, merge.LSE, *sets[0], None, 1.0)
+    plan = _kernel.Launch(config, merge.LSE, *sets[0], None, 1.0)
     return lambda i: _kernel.run(plan, *sets[i % len(sets)], 1.0)
 
 
@@ -128,7 +128,7 @@ def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, generator, compi
     kvsplit_auto(*warm)
     torch.cuda.synchronize()
     r["auto_first_call_ms"] = (time.perf_counter() - begin) * 1e3
-    plan = merge._plan(merge.LSE, warm[0], warm[1], 2.0, None, None, warm[2], False, None)
+    plan = merge._layout_launch(merge.LSE, warm[0], warm[1], 2.0, None, None, warm[2], False, None)
     r["auto"] = plan.kernel.config.label
     decision = dispatcher.explain(device_facts(warm[0].device), head_dim, torch.bfloat16,
                                   torch.bfloat16, merge.LSE, num_splits, rows)

@@ -1,6 +1,7 @@
-"""Per-call choice of the kernel config: cached choice -> constraints -> launch.
+"""Per-call choice of the kernel config (a family and its parameters): cached choice ->
+constraints.
 
-After the first call of a shape, :meth:`Dispatcher.choose` is one dictionary
+After the first call of a shape, :meth:`Dispatcher.choose_config` is one dictionary
 lookup (no SQL, no device sync, no allocation). The slow path, taken once per
 shape, decides in this order:
 
@@ -18,8 +19,11 @@ shape, decides in this order:
 
 A choice is a :class:`~kvsplit.config.KernelConfig` of any family. Whatever
 the source, :func:`constrain_config` has the last word, so a tampered table
-can only cost speed. ``kvsplit.merge`` keeps its per-layout launch plans in
-:attr:`Dispatcher.plans`, so that :meth:`Dispatcher.forget` drops them too.
+can only cost speed. :func:`config_for_layout` is what a call layout's launch
+(:class:`kvsplit.launches.LayoutLaunch`) asks. The eager merges keep their
+per-layout launches in the launch table, :attr:`Dispatcher.launches`, which
+:meth:`Dispatcher.refresh` and :meth:`Dispatcher.forget` clear when choices
+change.
 
 Winners that other processes store later (a fleet tuning while this one
 serves) are picked up by :meth:`Dispatcher.refresh`: on a miss, and every
@@ -39,74 +43,30 @@ from importlib import resources
 import torch
 
 from ..autotune import tuner
-from ..config import KernelConfig, build_hash
+from ..config import STATS_FORMAT_CODES, KernelConfig, build_hash
+from ..launches import ConfigRequest, LaunchTable
+from ..launches import table as launch_table
 from .. import db as _db
 from ..db import read_export
 from . import pending as pending_keys
 from .refresh import Refresher, refresh_interval
 from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, FEW_VECTORS,
-                          KV_SPLITS, configs_for_key, constrain_config, kvsplit_config)
-from .device import DeviceFacts
-from .keys import STATS_FORMATS, device_info, dtype_name, tuning_key
+                          KV_SPLITS, configs_for_key, constrain_config, group_quant_config,
+                          in_place_config, kvsplit_config)
+from .device import DeviceFacts, device_facts
+from .keys import STATS_FORMATS, device_info, dtype_name, scattered_stats, tuning_key
 from . import InvalidSetting
 
-__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "PlanTable", "choose", "dispatcher", "pdl_enabled",
-           "read_environment"]
+__all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose_config", "config_for_layout",
+           "dispatcher", "pdl_enabled", "read_environment"]
 
 log = logging.getLogger("kvsplit.dispatch")
+MAXSUM = STATS_FORMAT_CODES["maxsum"]
 _LIBRARY_DB_TIMEOUT_S = 5.0
 #: Decisions that come from a table of winners: a refresh that changes their key drops them.
 _TABLE_SOURCES = ("database", "shipped", "heuristic", "tuned")
 MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
     "dsplit:SLICES:KV_SPLIT[:DEPTH]", "few:VECTORS")
-
-
-class PlanTable(dict):
-    """kvsplit.merge's launch plans per call layout: a dict whose removals also clear
-    the copies that :meth:`mirror` registered (the binding's per-call path keeps the
-    plans it serves there), and that counts its clears in :attr:`generation`."""
-
-    __slots__ = ("_mirrors", "generation")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mirrors: list = []
-        self.generation = 0
-
-    def mirror(self, clear) -> None:
-        """``clear()`` runs whenever a plan leaves this table."""
-        self._mirrors.append(clear)
-
-    def _dropped(self) -> None:
-        self.generation += 1
-        for clear in self._mirrors:
-            clear()
-
-    def clear(self) -> None:
-        super().clear()
-        self._dropped()
-
-    def __setitem__(self, key, plan) -> None:
-        replaced = key in self
-        super().__setitem__(key, plan)
-        if replaced:
-            self._dropped()
-
-    def __delitem__(self, key) -> None:
-        super().__delitem__(key)
-        self._dropped()
-
-    def pop(self, *args):
-        try:
-            return super().pop(*args)
-        finally:
-            self._dropped()
-
-    def popitem(self):
-        try:
-            return super().popitem()
-        finally:
-            self._dropped()
 
 
 def _fixed_config(mode: str) -> KernelConfig | None:
@@ -200,12 +160,8 @@ class Decision:
     key: object = None   # the TuningKey, when one was looked up
     record: object = None  # the TuningRecord, when tuned in this process
 
-    @property
-    def kv_split(self) -> int:
-        return self.config.kv_split
 
-
-# Where a fast key (built in Dispatcher.choose_for_plan, unpacked in _slow) holds the
+# Where a fast key (built in Dispatcher.choose_config, unpacked in _slow) holds the
 # environment tuple.
 _ENVIRONMENT = 8
 
@@ -214,7 +170,9 @@ class Dispatcher:
     """Chooses the kernel config (family and parameters) per call; thread-safe; one per process
     (see :data:`dispatcher`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, launches: LaunchTable | None = None) -> None:
+        """``launches``: the launch table whose layouts hold this dispatcher's choices
+        (cleared when they change); a table of its own if None."""
         self._fast: dict[tuple, KernelConfig] = {}
         self._decisions: dict[tuple, Decision] = {}
         self._lock = threading.RLock()
@@ -228,25 +186,18 @@ class Dispatcher:
         self._store_url: str | None = None
         self._store_in_memory = False  # as opened: a store that fell back to memory later is not refreshed
         self._store_reopened = 0  # the store's count of reopened files that the tables have seen
-        #: kvsplit.merge's launch plans per call layout (each holds a choice of this dispatcher).
-        self.plans = PlanTable()
+        #: The eager merges' launches per call layout (each holds a choice of this dispatcher).
+        self.launches = LaunchTable() if launches is None else launches
         # Child hooks run in the order registered: the pool goes before a refresh thread starts.
         os.register_at_fork(after_in_child=_forget_pool(self))
         self._refresher = Refresher(self.refresh)
 
     # -- hot path ---------------------------------------------------------------------------
-    def choose(self, facts: DeviceFacts, device: torch.device, head_dim: int,
-               partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
-               num_splits: int, rows: int, forced: int | None,
-               scattered: bool = False) -> KernelConfig:
-        return self.choose_for_plan(facts, device, head_dim, partial_dtype, out_dtype,
-                                    stats_format, num_splits, rows, forced, scattered)[0]
-
-    def choose_for_plan(self, facts: DeviceFacts, device: torch.device, head_dim: int,
-                        partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
-                        num_splits: int, rows: int, forced: int | None,
-                        scattered: bool = False) -> tuple[KernelConfig, bool]:
-        """The config and whether it is cached (a plan that holds it may be kept).
+    def choose_config(self, facts: DeviceFacts, device: torch.device, head_dim: int,
+                      partial_dtype: torch.dtype, out_dtype: torch.dtype, stats_format: int,
+                      num_splits: int, rows: int, forced: int | None,
+                      scattered: bool = False) -> tuple[KernelConfig, bool]:
+        """The config and whether it is cached (a launch that holds it may be kept).
 
         ``scattered``: the stats of adjacent rows are apart (see keys.py's layout class).
         """
@@ -441,7 +392,7 @@ class Dispatcher:
                 table.update(fresh)
                 self._drop_decisions(facts, build, url, moved)
             if changed:
-                self.plans.clear()
+                self.launches.clear()
                 log.info("kvsplit: the tuning database changed (generation %s): new winners in use", current)
             return changed
 
@@ -458,7 +409,7 @@ class Dispatcher:
         with self._lock:
             self._fast.clear()
             self._decisions.clear()
-            self.plans.clear()
+            self.launches.clear()
             self._tables.clear()
             self._generations.clear()
             self._unstored.clear()
@@ -497,6 +448,30 @@ def _shipped_table(facts: DeviceFacts) -> dict:
     return table
 
 
-dispatcher = Dispatcher()
-choose = dispatcher.choose
-choose_for_plan = dispatcher.choose_for_plan
+dispatcher = Dispatcher(launch_table)
+choose_config = dispatcher.choose_config
+
+
+def config_for_layout(request: ConfigRequest) -> tuple[KernelConfig, bool, bool]:
+    """The kernel config of a call layout (:class:`kvsplit.launches.LayoutLaunch` asks),
+    whether a launch holding it may be kept, and whether launches use PDL.
+
+    The module's :func:`choose_config` chooses; a call that exports its stats in place or
+    writes per-group FP8 scales then gets the config mended for those rules.
+    """
+    facts = device_facts(request.device)
+    scattered = scattered_stats(request.stats_format == MAXSUM, request.row_shape,
+                                request.stats_row_strides)
+    config, cacheable = choose_config(facts, request.device, request.head_dim,
+                                      request.partial_dtype, request.out_dtype,
+                                      request.stats_format, request.num_splits, request.rows,
+                                      request.kv_split, scattered)
+    if request.stats_in_place or request.quant_group:
+        rules = dict(head_dim=request.head_dim, elem_bytes=request.partial_dtype.itemsize,
+                     rows=request.rows, num_splits=request.num_splits,
+                     sm_count=facts.sm_count if facts.is_cuda else None)
+        if request.stats_in_place:
+            config = in_place_config(config, **rules)
+        if request.quant_group:
+            config = group_quant_config(config, **rules, quant_group=request.quant_group)
+    return config, cacheable, pdl_enabled()

@@ -4,7 +4,7 @@ Beyond :func:`kvsplit.merge_lse`'s call it takes partials held in separate
 tensors (the split stride is their distance in memory, so it is passed at
 launch, never cached), a given exported-stats tensor of any strides, a row
 mask, a stat value read as an empty split and an in-place export. One launch,
-no copy; plans are cached per layout in the same table as the public calls'.
+no copy; launches are kept per layout in the same table as the public calls'.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import torch
 
 from ._kernel import address as _address
 from ._kernel import call_add, current_stream
-from .layout import (_INDPTR_DTYPES, _PUBLIC_ROW_DIMS, NO_EXTRAS, Extras, _check_grad,
-                     _extent, _LayoutPlan, _plans, _read_environment, _stats_name,
-                     _type_error)
+from .dispatch.dispatcher import config_for_layout, read_environment as _read_environment
+from .launches import LayoutLaunch
+from .launches import table as _launches
+from .validation import (_INDPTR_DTYPES, _PUBLIC_ROW_DIMS, NO_EXTRAS, Extras, _check_grad,
+                         _extent, _stats_name, _type_error)
 
 
 def _meta(tensor) -> tuple:
@@ -81,13 +83,13 @@ def varlen_view(fmt, partial_o, stats, indptr):
     return view(partial_o), view(stats), max(1, round(nnz / max(tokens, 1)))
 
 
-class _CallPlan:
-    """A general call's layout plan, the parts' count and the in-place rule."""
+class _GeneralLaunch:
+    """A general call's layout launch, the parts' count and the in-place rule."""
 
     __slots__ = ("layout", "parts", "in_place", "call")
 
     def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
-                 row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims,
+                 row_mask, empty_stat, stats_in_place, kv_split, row_dims,
                  out_dtype=None, extras: Extras = NO_EXTRAS, key_splits=None, names=None):
         self.parts = len(partial_o) if isinstance(partial_o, (list, tuple)) else 0
         if self.parts:
@@ -117,11 +119,11 @@ class _CallPlan:
                                    and _meta(out_stats) == _meta(stats[0])):
             raise ValueError("an in-place merge writes out and out_lse over part 0, which they "
                              "must match in dtype, shape and strides")
-        self.layout = _LayoutPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                                  return_stats, kv_split, out_stats=out_stats,
-                                  empty_stat=empty_stat, stats_in_place=stats_in_place,
-                                  row_dims=row_dims, row_mask_stride=mask_stride,
-                                  out_dtype=out_dtype, extras=extras, key_splits=key_splits)
+        self.layout = LayoutLaunch(config_for_layout, fmt, partial_o, stats, scalar, sinks,
+                                   split_counts, out, kv_split, out_stats=out_stats,
+                                   empty_stat=empty_stat, stats_in_place=stats_in_place,
+                                   row_dims=row_dims, row_mask_stride=mask_stride,
+                                   out_dtype=out_dtype, extras=extras, key_splits=key_splits)
         self.call = self.layout.bind(parts=self.parts, in_place=stats_in_place,
                                      more_extents=(_extent(row_mask), _extent(extras.indptr),
                                                    _extent(extras.out_scale),
@@ -142,16 +144,16 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
     stat read as an empty split (vLLM: +inf); ``stats_in_place`` lets ``out``
     and ``out_stats`` be part 0 itself; ``out_dtype`` the output's dtype when
     ``out`` is not given; ``extras`` FP8 scales, pass-through rows and
-    variable-length states (:class:`kvsplit.layout.Extras`); ``names`` the
+    variable-length states (:class:`kvsplit.validation.Extras`); ``names`` the
     arguments' names in errors, as ``(name, caller's name)`` pairs (see
-    :meth:`kvsplit.layout._LayoutPlan.bind`). Plans are cached per layout like
+    :meth:`kvsplit.launches.LayoutLaunch.bind`). Launches are kept per layout like
     :func:`merge_lse`'s. ``register``, ``(form, reversed, *args)``: the entry point's
     own call, whose layout the binding's per-call path then serves
     (csrc/fast_call.cpp; ``reversed``: its two parts are merged in reverse order).
     Returns ``out``, or ``(out, out_stats)`` when stats are exported.
     """
     key_splits = None
-    generation = _plans.generation
+    generation = _launches.generation
     if extras.indptr is not None:
         if isinstance(partial_o, (list, tuple)):
             raise ValueError("indptr addresses the states of one tensor, not a list of parts")
@@ -164,17 +166,17 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
                None if row_mask is None else _meta(row_mask), scalar, empty_stat,
                bool(stats_in_place), bool(return_stats), kv_split, type(kv_split), row_dims,
                out_dtype, extras.meta(), key_splits, names, _read_environment())
-        plan = _plans.get(key)
+        general = _launches.get(key)
     except (AttributeError, TypeError):  # not tensors: validation says what is wrong
-        key = plan = None
-    if plan is None:
-        plan = _CallPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
-                         row_mask, empty_stat, stats_in_place, return_stats, kv_split, row_dims,
-                         out_dtype, extras, key_splits, names)
-        if key is not None and plan.layout.cacheable:
-            _plans[key] = plan
-    layout = plan.layout
-    if plan.parts:
+        key = general = None
+    if general is None:
+        general = _GeneralLaunch(fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                                 out_stats, row_mask, empty_stat, stats_in_place, kv_split,
+                                 row_dims, out_dtype, extras, key_splits, names)
+        if key is not None and general.layout.cacheable:
+            _launches[key] = general
+    layout = general.layout
+    if general.parts:
         o_addresses = [t.data_ptr() for t in partial_o]
         s_addresses = [t.data_ptr() for t in stats]
         first = partial_o[0]
@@ -186,13 +188,13 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
         out = torch.empty(layout.out_shape, dtype=layout.out_dtype, device=layout.device)
     if out_stats is None and return_stats:
         out_stats = torch.empty(layout.stats_shape, dtype=torch.float32, device=layout.device)
-    if plan.call is not None:
+    if general.call is not None:
         stream = current_stream(layout.device_index) if layout.device_index >= 0 else 0
-        plan.call(o_addresses, s_addresses,
+        general.call(o_addresses, s_addresses,
                   (_address(split_counts), _address(sinks), out.data_ptr(), _address(out_stats),
                    _address(row_mask), _address(extras.indptr), _address(extras.out_scale),
                    _address(extras.group_scales)), layout.log2_scale or float(scalar), stream)
-        if register is not None and layout.cacheable and _plans.generation == generation:
+        if register is not None and layout.cacheable and _launches.generation == generation:
             form, reverse, *args = register
-            call_add(plan.call, reverse, form, *args)
+            call_add(general.call, reverse, form, *args)
     return (out, out_stats) if out_stats is not None else out

@@ -1,6 +1,6 @@
 """Launches the merge kernels: the one module that the public API and the tuner call.
 
-A :class:`Plan` is everything a launch needs that does not change from one
+A :class:`Launch` is everything a launch needs that does not change from one
 call of a layout to the next (sizes, strides, dtypes, the kernel config, the
 device): built once, it launches with six addresses and a scale. The kernel
 layer checks the config again at every launch and reports a bad one as a
@@ -32,13 +32,14 @@ def _no_cuda(device_index: int) -> int:
 
 #: The one per-call path of every eager merge (csrc/fast_call.cpp): ``call_form(roles,
 #: in_place)`` registers an entry point's argument roles (:data:`ROLES`) and returns its
-#: form; ``call_fast(form, *args)`` launches a call whose layout ``call_add(plan, reversed,
-#: form, *args)`` registered and returns True, else False (take the Python path, which
-#: launches through the same :class:`CallPlan`).
+#: form; ``call_fast(form, *args)`` launches a call whose layout ``call_add(call_plan,
+#: reversed, form, *args)`` registered and returns True, else False (take the Python path,
+#: which launches through the same :class:`CallPlan`).
 call_form, call_fast, call_add = _ext.call_form, _ext.call_fast, _ext.call_add
 fast_clear, fast_info = _ext.fast_clear, _ext.fast_info
-#: A layout's launch and what its per-call checks read; ``plan(o, stats, others, scale,
-#: stream)`` checks the addresses (alignment, parts, in place, aliasing) and launches.
+#: The binding's name (csrc/fast_call.cpp) for a layout's launch with what its per-call
+#: checks read; ``call_plan(o, stats, others, scale, stream)`` checks the addresses
+#: (alignment, parts, in place, aliasing) and launches. The only "plan" of the project.
 CallPlan = _ext.CallPlan
 ROLES = _ext.call_roles
 #: Whether this torch publishes the DLPack exchange table that fast_merge reads
@@ -102,8 +103,9 @@ def row_strides(row_shape, strides, heads: int) -> tuple[int, int, int]:
     return tuple(strides)
 
 
-class Plan:
-    """A launch of one call layout: ``Plan(...).launch(addresses..., log2_scale)``.
+class Launch:
+    """A launch of one call layout: ``Launch(...).launch(addresses..., log2_scale)``
+    (the binding's ``Launch`` and the device it runs on).
 
     ``partial_o`` (num_splits, *rows, head_dim), ``stats`` (num_splits, *rows[, 2]),
     ``out`` (*rows, head_dim) and ``sinks`` (heads,) give the sizes, strides and
@@ -184,11 +186,11 @@ def address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def run(plan: Plan, partial_o: torch.Tensor, stats: torch.Tensor, out: torch.Tensor,
+def run(launch: Launch, partial_o: torch.Tensor, stats: torch.Tensor, out: torch.Tensor,
         log2_scale: float, *, split_counts: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None, out_stats: torch.Tensor | None = None) -> torch.Tensor:
-    """Launches ``plan`` on these tensors (of the plan's layout); returns ``out``."""
-    plan.launch(partial_o.data_ptr(), stats.data_ptr(), address(split_counts), address(sinks),
+    """Launches ``launch`` on these tensors (of its layout); returns ``out``."""
+    launch.launch(partial_o.data_ptr(), stats.data_ptr(), address(split_counts), address(sinks),
                 out.data_ptr(), address(out_stats), log2_scale)
     return out
 
@@ -197,5 +199,5 @@ def launch(config: KernelConfig, stats_format: int, partial_o: torch.Tensor, sta
            out: torch.Tensor, log2_scale: float, export_scale: float, *, pdl: bool = False,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One launch of ``config``, whatever the dispatcher would choose (benchmarks and tests)."""
-    plan = Plan(config, stats_format, partial_o, stats, out, sinks, export_scale, pdl=pdl)
-    return run(plan, partial_o, stats, out, log2_scale, sinks=sinks)
+    made = Launch(config, stats_format, partial_o, stats, out, sinks, export_scale, pdl=pdl)
+    return run(made, partial_o, stats, out, log2_scale, sinks=sinks)

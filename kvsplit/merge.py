@@ -2,9 +2,9 @@
 
 The first call of a layout (every tensor's dtype, shape, strides and device,
 the scalars and the ``KVSPLIT_*`` variables) validates it in full
-(:mod:`kvsplit.layout`), asks the dispatcher for the kernel config and keeps a
-launch plan for it. Every later call of that layout reads the same metadata
-again to find the plan, so a call whose tensors changed in any way is
+(:mod:`kvsplit.validation`), asks the dispatcher for the kernel config and keeps
+its launch in the launch table (:mod:`kvsplit.launches`). Every later call of
+that layout reads the same metadata again to find the launch, so a call whose tensors changed in any way is
 validated again; what depends on addresses (alignment, aliasing) is checked on
 every call. A call with ``out`` given and no exported stats whose layout was
 seen before takes the binding's per-call path (csrc/fast_call.cpp), which
@@ -26,15 +26,18 @@ import torch
 
 from . import _kernel
 from ._call import merge_call
-from .layout import (_OUT_DTYPES, _FLOAT32_MAX, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar, _is_compiling,
-                     _LayoutPlan, _check_grad, _plans, _read_environment, _validate)
+from .dispatch.dispatcher import config_for_layout, read_environment as _read_environment
+from .launches import LayoutLaunch
+from .launches import table as _launches
+from .validation import (_OUT_DTYPES, _FLOAT32_MAX, LSE, MAXSUM, NO_EXTRAS, Extras, _check_scalar,
+                         _check_grad, _validate)
 
 _current_stream = _kernel.current_stream
 _call_fast, _call_add = _kernel.call_fast, _kernel.call_add
-_plans.mirror(_kernel.fast_clear)
+_is_compiling = torch.compiler.is_compiling
 
 # The public calls' forms: (partial_o, stats, scalar, sinks, split_counts, out, kv_split);
-# the maxsum scale is per call, the LSE base keys the plan.
+# the maxsum scale is per call, the LSE base keys the layout.
 _R = _kernel.ROLES
 _DEFAULT_OUT = {dtype: outs[0] for dtype, outs in _OUT_DTYPES.items()}
 _FORMS = {fmt: _kernel.call_form([_R.PARTIAL_O, _R.STATS, scalar_role, _R.SINKS,
@@ -56,9 +59,10 @@ def _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_spli
     return _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts, out, kv_split)
 
 
-def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
-    """The layout's plan, from a key of everything that validation and the plan depend on
-    (every tensor's dtype, shape, strides and device, the scalars, the environment),
+def _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
+                   kv_split) -> LayoutLaunch:
+    """The layout's launch, from a key of everything that validation and the launch depend
+    on (every tensor's dtype, shape, strides and device, the scalars, the environment),
     except addresses and the maxsum scale.
 
     The key is built on every call and is most of the host time of a cached call,
@@ -74,30 +78,30 @@ def _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
                                                   split_counts.stride(), split_counts.device),
                None if fmt == MAXSUM else scalar, return_stats, kv_split, type(kv_split),
                _read_environment())
-        plan = _plans.get(key)
+        layout = _launches.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable scalar: validation says
-        key = plan = None
-    if plan is None:
-        plan = _LayoutPlan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
-                           kv_split)
-        plan.call = plan.bind()
-        if key is not None and plan.cacheable:
-            _plans[key] = plan
-    return plan
+        key = layout = None
+    if layout is None:
+        layout = LayoutLaunch(config_for_layout, fmt, partial_o, stats, scalar, sinks,
+                              split_counts, out, kv_split)
+        layout.call = layout.bind()
+        if key is not None and layout.cacheable:
+            _launches[key] = layout
+    return layout
 
 
-def _launch(plan: _LayoutPlan, fmt, partial_o, stats, scalar, sinks, split_counts, out,
+def _launch(layout: LayoutLaunch, fmt, partial_o, stats, scalar, sinks, split_counts, out,
             out_stats, fresh_out: bool) -> None:
-    """The eager merge into ``out`` (and ``out_stats``) with the layout's plan: the
+    """The eager merge into ``out`` (and ``out_stats``) with the layout's launch: the
     binding checks the addresses (alignment, aliasing) and launches."""
-    call = plan.call
+    call = layout.call
     if call is None:  # rows = 0: nothing to launch
         return
-    stream = _current_stream(plan.device_index) if plan.device_index >= 0 else 0
+    stream = _current_stream(layout.device_index) if layout.device_index >= 0 else 0
     address = _kernel.address
     call((partial_o.data_ptr(),), (stats.data_ptr(),),
          (address(split_counts), address(sinks), out.data_ptr(), address(out_stats)),
-         plan.log2_scale or scalar, stream)
+         layout.log2_scale or scalar, stream)
 
 
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
@@ -114,35 +118,37 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
     if fmt == MAXSUM and not (type(scalar) is float and 0 < scalar <= _FLOAT32_MAX):
         _check_scalar(fmt, scalar)
         scalar = float(scalar)
-    generation = _plans.generation
-    plan = _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split)
+    generation = _launches.generation
+    layout = _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                            return_stats, kv_split)
     if partial_o.requires_grad or stats.requires_grad or (sinks is not None and sinks.requires_grad):
         _check_grad(partial_o, stats, sinks)
     fresh_out = out is None
     if fresh_out:
-        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+        out = torch.empty(layout.out_shape, dtype=layout.out_dtype, device=layout.device)
     if return_stats:
-        out_stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=plan.device)
-        _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, fresh_out)
+        out_stats = torch.empty(layout.stats_shape, dtype=torch.float32, device=layout.device)
+        _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+                fresh_out)
         return out, out_stats
-    _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, fresh_out)
+    _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, fresh_out)
     if not fresh_out or _DEFAULT_OUT.get(partial_o.dtype) == out.dtype:
         # An allocated out registers as given: the next call allocates the same (_fresh).
-        _remember(plan, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
+        _remember(layout, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
                   kv_split)
     return out
 
 
-def _remember(plan: _LayoutPlan, generation: int, fmt, partial_o, stats, scalar, sinks,
+def _remember(layout: LayoutLaunch, generation: int, fmt, partial_o, stats, scalar, sinks,
               split_counts, out, kv_split) -> None:
-    """Hands a cached plan that just launched (``out`` given, no exported stats) to the
+    """Hands a cached layout launch that just ran (``out`` given, no exported stats) to the
     binding's per-call path, which serves the layout's later calls (csrc/fast_call.cpp).
 
-    Not when the plan table was cleared meanwhile (a refresh from another thread:
-    the plan may be stale), and not for a plan that was not cached.
+    Not when the launch table was cleared meanwhile (a refresh from another thread:
+    the launch may be stale), and not for a launch that was not kept.
     """
-    if plan.call is not None and plan.cacheable and _plans.generation == generation:
-        _call_add(plan.call, False, _FORMS[fmt], partial_o, stats, scalar, sinks, split_counts,
+    if layout.call is not None and layout.cacheable and _launches.generation == generation:
+        _call_add(layout.call, False, _FORMS[fmt], partial_o, stats, scalar, sinks, split_counts,
                   out, kv_split)
 
 
@@ -153,12 +159,12 @@ def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_sta
     if out_stats is None and _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out,
                                          kv_split):
         return
-    generation = _plans.generation
-    plan = _plan(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats is not None,
-                 kv_split)
-    _launch(plan, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, False)
+    generation = _launches.generation
+    layout = _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out,
+                            out_stats is not None, kv_split)
+    _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, False)
     if out_stats is None:
-        _remember(plan, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
+        _remember(layout, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
                   kv_split)
 
 

@@ -225,12 +225,12 @@ def chosen_kv_split(monkeypatch):
     chosen: list[int] = []
     launch = merge_module._launch
 
-    def spy(plan, *args):
+    def spy(layout, *args):
         # A KvSplit config is recorded as its K, any other config as itself.
-        if plan.kernel is not None:
-            config = plan.kernel.config
+        if layout.kernel is not None:
+            config = layout.kernel.config
             chosen.append(config.kv_split if config.family == KVSPLIT else config)
-        return launch(plan, *args)
+        return launch(layout, *args)
 
     monkeypatch.setattr(merge_module, "_launch", spy)
     # Every call through the Python path, so that the spy sees each launch.

@@ -30,10 +30,10 @@ def hits() -> int:
 
 
 @pytest.fixture(autouse=True)
-def fresh_plans():
-    dispatcher.plans.clear()
+def fresh_launches():
+    dispatcher.launches.clear()
     yield
-    dispatcher.plans.clear()
+    dispatcher.launches.clear()
 
 
 def lse_call(merge_kit, device, *, num_splits=6, rows=10, head_dim=128, dtype=torch.bfloat16,
@@ -63,7 +63,7 @@ def sync(device):
 
 def test_a_repeated_call_is_served_by_the_binding_and_matches_the_reference(merge_kit, device):
     partial_o, lse, out = lse_call(merge_kit, device)
-    kvsplit.merge_lse(partial_o, lse, out=out)  # the Python path: validates, plans, registers
+    kvsplit.merge_lse(partial_o, lse, out=out)  # the Python path: validates, makes the launch, registers
     assert _kernel.fast_info()["entries"] == 1
     for seed in range(3):  # fresh values in the same tensors
         fresh = lse_call(merge_kit, device, seed=seed + 1)
@@ -176,7 +176,7 @@ def test_grad_mode_is_checked_on_every_call(merge_kit, device):
         kvsplit.merge_lse(wants_grad, lse, out=out)
 
 
-def test_settings_and_forced_splits_key_the_plan(merge_kit, device, monkeypatch):
+def test_settings_and_forced_splits_key_the_layout(merge_kit, device, monkeypatch):
     partial_o, lse, out = lse_call(merge_kit, device, num_splits=16, rows=4)
     kvsplit.merge_lse(partial_o, lse, out=out)
     kvsplit.merge_lse(partial_o, lse, out=out, kv_split=2)
@@ -186,7 +186,7 @@ def test_settings_and_forced_splits_key_the_plan(merge_kit, device, monkeypatch)
     monkeypatch.setenv("KVSPLIT_MODE", "off")  # K = 1 from now on
     kvsplit.merge_lse(partial_o, lse, out=out)
     assert hits() == before
-    configs = {plan.kernel.config.label for plan in dispatcher.plans.values()}
+    configs = {layout.kernel.config.label for layout in dispatcher.launches.values()}
     assert "kvsplit(kv_split=1)" in configs
     out.zero_()
     kvsplit.merge_lse(partial_o, lse, out=out)
@@ -203,28 +203,28 @@ def test_settings_and_forced_splits_key_the_plan(merge_kit, device, monkeypatch)
     assert hits() == before + 2
 
 
-def test_clearing_the_plans_clears_the_binding_and_a_refresh_reaches_it(merge_kit, device):
+def test_clearing_the_launch_table_clears_the_binding_and_a_refresh_reaches_it(merge_kit, device):
     partial_o, lse, out = lse_call(merge_kit, device)
     kvsplit.merge_lse(partial_o, lse, out=out)
     assert _kernel.fast_info()["entries"] == 1
-    generation = dispatcher.plans.generation
-    dispatcher.plans.clear()
-    assert _kernel.fast_info()["entries"] == 0 and dispatcher.plans.generation == generation + 1
+    generation = dispatcher.launches.generation
+    dispatcher.launches.clear()
+    assert _kernel.fast_info()["entries"] == 0 and dispatcher.launches.generation == generation + 1
     kvsplit.merge_lse(partial_o, lse, out=out)
     dispatcher.forget()
-    assert _kernel.fast_info()["entries"] == 0 and dispatcher.plans == {}
+    assert _kernel.fast_info()["entries"] == 0 and dispatcher.launches == {}
 
 
-def test_a_plan_built_while_the_table_was_cleared_is_not_registered(merge_kit, device, monkeypatch):
+def test_a_launch_made_while_the_table_was_cleared_is_not_registered(merge_kit, device, monkeypatch):
     partial_o, lse, out = lse_call(merge_kit, device)
-    plan_of = merge_module._plan
+    launch_of = merge_module._layout_launch
 
-    def plan_then_refresh(*args):  # a refresh thread clearing the plans meanwhile
-        plan = plan_of(*args)
-        dispatcher.plans.clear()
-        return plan
+    def launch_then_refresh(*args):  # a refresh thread clearing the launch table meanwhile
+        layout = launch_of(*args)
+        dispatcher.launches.clear()
+        return layout
 
-    monkeypatch.setattr(merge_module, "_plan", plan_then_refresh)
+    monkeypatch.setattr(merge_module, "_layout_launch", launch_then_refresh)
     kvsplit.merge_lse(partial_o, lse, out=out)
     assert _kernel.fast_info()["entries"] == 0
 

@@ -40,8 +40,8 @@ def test_a_cuda_launch_goes_to_the_tensors_device_and_its_current_stream(monkeyp
     monkeypatch.setattr(_kernel, "merge_cuda", lambda *args: launches.append(args))
     monkeypatch.setattr(_kernel, "pdl_supported", lambda index: index == 1)
     config = KernelConfig.dsplit(4, 16, 8)
-    plan = _kernel.Plan(config, 0, partial_o, stats, out, None, 0.69, sm_count=132, pdl=True)
-    plan.launch(11, 22, 0, 0, 33, 0, 0.5)
+    kernel_launch = _kernel.Launch(config, 0, partial_o, stats, out, None, 0.69, sm_count=132, pdl=True)
+    kernel_launch.launch(11, 22, 0, 0, 33, 0, 0.5)
     assert streams_asked == [1]  # device 1's current stream, whatever device is current
     (native, *addresses, scale, stream), = launches
     assert (native.target.device, native.target.sm_count, native.target.pdl) == (1, 132, True)
@@ -52,20 +52,20 @@ def test_a_cuda_launch_goes_to_the_tensors_device_and_its_current_stream(monkeyp
     assert (native.params.o_stride_split, native.params.o_row) == (64 * 512, (512, 0, 512))
 
 
-def test_a_cpu_plan_never_asks_for_a_stream(monkeypatch):
+def test_a_cpu_launch_never_asks_for_a_stream(monkeypatch):
     partial_o = torch.randn(2, 4, 64).bfloat16()
     stats = torch.randn(2, 4)
     out = torch.empty(4, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(_kernel, "current_stream", lambda index: (_ for _ in ()).throw(
         AssertionError("a CPU launch asked for a CUDA stream")))
-    plan = _kernel.Plan(KernelConfig.kvsplit(2), 1, partial_o, stats, out, None, 1.0)
-    assert not plan.is_cuda and plan.device_index == -1
-    _kernel.run(plan, partial_o, stats, out, 1.0)
+    kernel_launch = _kernel.Launch(KernelConfig.kvsplit(2), 1, partial_o, stats, out, None, 1.0)
+    assert not kernel_launch.is_cuda and kernel_launch.device_index == -1
+    _kernel.run(kernel_launch, partial_o, stats, out, 1.0)
     assert torch.isfinite(out.float()).all()
 
 
-def test_the_eager_call_launches_on_the_plans_device_and_its_current_stream(monkeypatch):
-    """kvsplit/merge.py's per-call launch, with a cached plan of a ``cuda:1`` layout."""
+def test_the_eager_call_launches_on_the_layouts_device_and_its_current_stream(monkeypatch):
+    """kvsplit/merge.py's per-call launch, with a kept launch of a ``cuda:1`` layout."""
     device = torch.device("cuda", 1)
     partial_o = fake_tensor((16, 64, 512), torch.bfloat16, device)
     stats = fake_tensor((16, 64, 2), torch.float32, device)
@@ -75,11 +75,11 @@ def test_the_eager_call_launches_on_the_plans_device_and_its_current_stream(monk
     streams_asked, launches = [], []
     monkeypatch.setattr(merge, "_current_stream",
                         lambda index: streams_asked.append(index) or 1000 + index)
-    plan = _kernel.Plan(KernelConfig.kvsplit(4), 0, partial_o, stats, out, None, 0.69,
+    kernel_launch = _kernel.Launch(KernelConfig.kvsplit(4), 0, partial_o, stats, out, None, 0.69,
                         sm_count=132)
-    assert plan.native.target.device == 1
+    assert kernel_launch.native.target.device == 1
     layout = SimpleNamespace(call=lambda *args: launches.append(args),
-                             device_index=plan.device_index, log2_scale=None)
+                             device_index=kernel_launch.device_index, log2_scale=None)
     merge._launch(layout, merge.MAXSUM, partial_o, stats, 0.25, None, None, out, None, False)
     assert streams_asked == [1]
     (o, s, others, scale, stream), = launches
@@ -96,11 +96,11 @@ def test_pdl_is_asked_for_only_from_compute_capability_9(monkeypatch, major, min
     _kernel.pdl_supported.cache_clear()
     try:
         device = torch.device("cuda", 0)
-        plan = _kernel.Plan(KernelConfig.kvsplit(4), 0, fake_tensor((16, 64, 512), torch.bfloat16, device),
+        kernel_launch = _kernel.Launch(KernelConfig.kvsplit(4), 0, fake_tensor((16, 64, 512), torch.bfloat16, device),
                             fake_tensor((16, 64, 2), torch.float32, device),
                             fake_tensor((64, 512), torch.bfloat16, device), None, 0.69,
                             sm_count=132, pdl=True)
-        assert plan.native.target.pdl is pdl
+        assert kernel_launch.native.target.pdl is pdl
     finally:
         _kernel.pdl_supported.cache_clear()
 

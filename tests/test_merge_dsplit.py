@@ -231,12 +231,12 @@ def test_the_kernels_refuse_an_impossible_geometry(device, family, slices, kv_sp
                                           merge_kit.generator("geometry", slices, kv_split, depth))
     partial_o, stats = partial_o.to(device), stats.to(device)
     out = torch.full((4, head_dim), 7.0, dtype=torch.bfloat16, device=device)
-    plan = _kernel.Plan(KernelConfig.kvsplit(1), merge.MAXSUM, partial_o, stats, out, None, 1.0)
+    kernel_launch = _kernel.Launch(KernelConfig.kvsplit(1), merge.MAXSUM, partial_o, stats, out, None, 1.0)
     ext = _native.ext()
     bad = ext.KernelConfig(FAMILY_CODES[family], slices, kv_split, depth)
-    object.__setattr__(plan, "native", ext.Launch(plan.native.params, bad, plan.native.target))
+    object.__setattr__(kernel_launch, "native", ext.Launch(kernel_launch.native.params, bad, kernel_launch.native.target))
     with pytest.raises(ValueError, match="unsupported (slices|kv_split|depth)"):
-        _kernel.run(plan, partial_o, stats, out, 1.0)
+        _kernel.run(kernel_launch, partial_o, stats, out, 1.0)
     assert torch.equal(out.cpu(), torch.full((4, head_dim), 7.0, dtype=torch.bfloat16))
 
 
@@ -287,10 +287,10 @@ def test_one_warp_items_merge_in_place(device, heads, monkeypatch):
     config = KernelConfig.dsplit(1, 2, 4)  # 16 lanes x 2 groups: one warp
     pin(monkeypatch, config)
     launched = []
-    plan_init = _kernel.Plan.__init__
-    monkeypatch.setattr(_kernel.Plan, "__init__",
-                        lambda plan, config, *args, **kwargs: (launched.append(config),
-                                                               plan_init(plan, config, *args,
+    launch_init = _kernel.Launch.__init__
+    monkeypatch.setattr(_kernel.Launch, "__init__",
+                        lambda made, config, *args, **kwargs: (launched.append(config),
+                                                               launch_init(made, config, *args,
                                                                          **kwargs))[-1])
     v_dev, s_dev = v.to(device), s.to(device)
     flashinfer.merge_state_in_place(v_dev, s_dev, v_other.to(device), s_other.to(device),

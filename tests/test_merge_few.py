@@ -95,12 +95,12 @@ def test_the_kernels_refuse_an_impossible_config(device, family, slices, kv_spli
                                           merge_kit.generator("few-geometry", vectors, head_dim))
     partial_o, stats = partial_o.to(device), stats.to(device)
     out = torch.full((4, head_dim), 7.0, dtype=torch.bfloat16, device=device)
-    plan = _kernel.Plan(KernelConfig.kvsplit(1), merge.MAXSUM, partial_o, stats, out, None, 1.0)
+    kernel_launch = _kernel.Launch(KernelConfig.kvsplit(1), merge.MAXSUM, partial_o, stats, out, None, 1.0)
     ext = _native.ext()
     bad = ext.KernelConfig(FAMILY_CODES[family], slices, kv_split, depth, vectors)
-    object.__setattr__(plan, "native", ext.Launch(plan.native.params, bad, plan.native.target))
+    object.__setattr__(kernel_launch, "native", ext.Launch(kernel_launch.native.params, bad, kernel_launch.native.target))
     with pytest.raises(ValueError, match=f"unsupported {words}"):
-        _kernel.run(plan, partial_o, stats, out, 1.0)
+        _kernel.run(kernel_launch, partial_o, stats, out, 1.0)
     assert torch.equal(out.cpu(), torch.full((4, head_dim), 7.0, dtype=torch.bfloat16))
 
 
@@ -257,10 +257,10 @@ def test_in_place_merges_keep_a_row_in_one_warp(device, heads, head_dim, monkeyp
     want_v = torch.where(keep.unsqueeze(-1), expected_v, v.double())
     want_s = torch.where(keep, expected_s, s)
     launched = []
-    plan_init = _kernel.Plan.__init__
-    monkeypatch.setattr(_kernel.Plan, "__init__",
-                        lambda plan, config, *args, **kwargs: (launched.append(config),
-                                                               plan_init(plan, config, *args,
+    launch_init = _kernel.Launch.__init__
+    monkeypatch.setattr(_kernel.Launch, "__init__",
+                        lambda made, config, *args, **kwargs: (launched.append(config),
+                                                               launch_init(made, config, *args,
                                                                          **kwargs))[-1])
     for config in few_configs(head_dim, 2):
         pin(monkeypatch, config)

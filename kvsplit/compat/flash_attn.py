@@ -14,7 +14,7 @@ import torch
 
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
-from ..layout import LSE
+from ..validation import LSE
 from . import _checks
 
 __all__ = ["flash_attn_combine"]

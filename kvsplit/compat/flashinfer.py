@@ -14,7 +14,7 @@ import torch
 
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
-from ..layout import LSE, Extras
+from ..validation import LSE, Extras
 from . import _checks
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states"]

@@ -19,7 +19,7 @@ import torch
 
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
-from ..layout import LSE
+from ..validation import LSE
 
 __all__ = ["merge_state", "merge_state_v2"]
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

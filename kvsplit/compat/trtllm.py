@@ -26,7 +26,7 @@ import torch
 
 from .._call import merge_call
 from ..config import head_dim_rule, head_dim_supported
-from ..layout import LSE
+from ..validation import LSE
 
 __all__ = ["merge_chunked_attention_for_mla"]
 _ATTN_DTYPES = (torch.float16, torch.float32, torch.bfloat16)

@@ -17,7 +17,7 @@ import torch
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
 from ..config import FP8_DTYPES
-from ..layout import LSE, NO_EXTRAS, Extras
+from ..validation import LSE, NO_EXTRAS, Extras
 from . import _checks
 
 __all__ = ["merge_attn_states"]

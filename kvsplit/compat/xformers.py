@@ -18,7 +18,7 @@ import torch
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
 from ..config import DTYPE_PAIRS
-from ..layout import LSE
+from ..validation import LSE
 
 __all__ = ["merge_attentions"]
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

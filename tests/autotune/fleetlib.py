@@ -12,7 +12,7 @@
   serving process (``KVSPLIT_MODE``, ``KVSPLIT_REFRESH_S`` and ``KVSPLIT_DB``
   from its environment) that merges one shape every 50 ms and prints one JSON
   line per change of the config its launch plan holds, ``{"t": unix time,
-  "source": ..., "config": ..., "plan": ...}``, until the source is the
+  "source": ..., "config": ..., "launches": ...}``, until the source is the
   database (or the timeout).
 """
 
@@ -71,10 +71,10 @@ def serve(job: dict) -> None:
         kvsplit.merge_maxsum(partial_o, stats, 1.0)
         decision = dispatch_module.dispatcher.explain(facts, head_dim, torch.bfloat16, torch.bfloat16, 0,
                                                       num_splits, rows)
-        plans = [p.kernel.config.label for p in merge._plans.values() if p.kernel is not None]
-        now = (decision.source, decision.config.label, plans)
+        launches = [p.kernel.config.label for p in merge._launches.values() if p.kernel is not None]
+        now = (decision.source, decision.config.label, launches)
         if now != last:
-            print(json.dumps({"t": time.time(), "source": now[0], "config": now[1], "plan": plans}), flush=True)
+            print(json.dumps({"t": time.time(), "source": now[0], "config": now[1], "launches": launches}), flush=True)
             last = now
             Path(job["ready"]).write_text("ready")
         if decision.source == "database":

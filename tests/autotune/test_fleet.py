@@ -162,7 +162,7 @@ def test_workers_on_one_database_tune_every_key_once_and_serving_sees_the_winner
     with open_store(db_url) as store:
         head_dim, num_splits, rows = SERVED_SHAPE
         (record,) = store.query(head_dim=head_dim, num_splits=num_splits, rows=rows)
-    assert events[-1]["config"] == record.winner.label and events[-1]["plan"] == [record.winner.label]
+    assert events[-1]["config"] == record.winner.label and events[-1]["launches"] == [record.winner.label]
     lag = events[-1]["t"] - record.updated_at.timestamp()
     assert 0 <= lag <= REFRESH_S + 1.5, lag
     with capsys.disabled():

@@ -27,10 +27,10 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 
 
 @pytest.fixture(autouse=True)
-def fresh_plans():
-    dispatcher.plans.clear()
+def fresh_launches():
+    dispatcher.launches.clear()
     yield
-    dispatcher.plans.clear()
+    dispatcher.launches.clear()
 
 
 def hits() -> int:

@@ -100,21 +100,21 @@ def kernel_ks(monkeypatch):
     ks: list[int] = []
     launch = merge_module._launch  # the public calls' launches, not the tuner's
 
-    def spy_launch(plan, *args):
-        if plan.kernel is not None:  # a KvSplit config as its K, any other as itself
-            config = plan.kernel.config
+    def spy_launch(layout, *args):
+        if layout.kernel is not None:  # a KvSplit config as its K, any other as itself
+            config = layout.kernel.config
             ks.append(config.kv_split if config.family == KVSPLIT else config)
-        return launch(plan, *args)
+        return launch(layout, *args)
 
     def use(other):
-        dispatch_module.dispatcher.plans.clear()
-        monkeypatch.setattr(dispatch_module, "choose_for_plan", other.choose_for_plan)
+        dispatch_module.dispatcher.launches.clear()
+        monkeypatch.setattr(dispatch_module, "choose_config", other.choose_config)
 
     monkeypatch.setattr(merge_module, "_launch", spy_launch)
     # Every call through the Python path, so that the spy sees each launch.
     monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
     yield SimpleNamespace(ks=ks, use=use)
-    dispatch_module.dispatcher.plans.clear()
+    dispatch_module.dispatcher.launches.clear()
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_capture_miss_uses_the_heuristic_and_records_the_key_as_pending(
     assert tuner_calls.keys == [key]
     decision = dispatch_module.dispatcher.explain(*explain)
     # kernel_ks records a KvSplit config as its K, any other config as itself.
-    ran = decision.kv_split if decision.config.family == KVSPLIT else decision.config
+    ran = decision.config.kv_split if decision.config.family == KVSPLIT else decision.config
     assert decision.source == "tuned" and kernel_ks.ks[-1] == ran
     assert key not in pending._keys
 

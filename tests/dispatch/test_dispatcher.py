@@ -50,7 +50,7 @@ def test_heuristic_gives_each_group_about_four_partials(num_splits):
 def test_mode_off_runs_kv_split_1(monkeypatch, call):
     monkeypatch.setenv("KVSPLIT_MODE", "off")
     k, decision = call(num_splits=32, rows=8)
-    assert k == 1 and decision.kv_split == 1 and decision.source == "mode"
+    assert k == 1 and decision.config.kv_split == 1 and decision.source == "mode"
 
 
 @pytest.mark.usefixtures("no_tuning")
@@ -74,7 +74,7 @@ def test_cached_mode_miss_uses_the_heuristic_and_stores_nothing(monkeypatch, cal
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
     k, decision = call(num_splits=20, rows=8)
     assert decision.source == "heuristic"
-    assert k == decision.kv_split == spec_heuristic(20) == 4
+    assert k == decision.config.kv_split == spec_heuristic(20) == 4
     # A heuristic that the constraints cut down: head_dim 512 bf16 holds K <= 8.
     assert call(head_dim=512, num_splits=64, rows=8)[0] == 8
     with open_store(isolated.url) as store:
@@ -194,7 +194,7 @@ def test_a_tampered_database_value_is_constrained(call, isolated, keys, merge_ki
     keys.store_winner(isolated.url, keys.key_for(512, 32, 8), 16)
     k, decision = call(head_dim=512, num_splits=32, rows=8)
     assert decision.source == "database"
-    assert k == decision.kv_split == merge_kit.expected_kv_split(
+    assert k == decision.config.kv_split == merge_kit.expected_kv_split(
         16, head_dim=512, elem_bytes=2, rows=8, num_splits=32) == 8
 
 
@@ -357,7 +357,7 @@ def test_first_use_from_many_threads_tunes_once(tuner_calls, merge_kit, kernel_k
     assert len(kernel_ks.ks) == threads_n and len(set(kernel_ks.ks)) == 1
     decision = dispatch_module.dispatcher.explain(CPU_FACTS, head_dim, torch.bfloat16, torch.bfloat16,
                                                   0, num_splits, rows)
-    assert decision.kv_split == kernel_ks.ks[0]
+    assert decision.config.kv_split == kernel_ks.ks[0]
     assert pending.load() == []
 
 
@@ -378,7 +378,7 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
                             sm_count=132)
 
     for _ in range(2):  # met twice while capturing: recorded once
-        chosen = the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None)
+        chosen, _ = the_dispatcher.choose_config(gpu, torch.device("cpu"), *shape, None)
         assert chosen == kvsplit_config(heuristic_k) and heuristic_k == 4
         assert tuner_calls.keys == []
         assert the_dispatcher.explain(gpu, *shape) is None  # nothing cached
@@ -386,7 +386,7 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
     assert len(isolated.pending_path.read_text().splitlines()) == 1
 
     capturing = False  # the next uncaptured call profiles the key and clears it from memory
-    config = the_dispatcher.choose(gpu, torch.device("cpu"), *shape, None)
+    config, _ = the_dispatcher.choose_config(gpu, torch.device("cpu"), *shape, None)
     assert tuner_calls.keys == [key]
     decision = the_dispatcher.explain(gpu, *shape)
     assert (decision.source, decision.config) == ("tuned", config)
@@ -406,7 +406,7 @@ def test_a_gpu_without_a_shipped_table_profiles_in_auto_and_takes_the_heuristic_
     assert dispatch_module._shipped_table(a100) == {}
     the_dispatcher = dispatch_module.dispatcher
     shape = (64, torch.bfloat16, torch.bfloat16, 0, 24, 48)
-    chosen = the_dispatcher.choose(a100, torch.device("cpu"), *shape, None)
+    chosen, _ = the_dispatcher.choose_config(a100, torch.device("cpu"), *shape, None)
     decision = the_dispatcher.explain(a100, *shape)
     if mode == "auto":
         assert decision.source == "tuned" and len(tuner_calls.keys) == 1
@@ -418,7 +418,7 @@ def test_a_gpu_without_a_shipped_table_profiles_in_auto_and_takes_the_heuristic_
         assert decision.source == "heuristic" and tuner_calls.keys == []
         assert chosen == kvsplit_config(heuristic_k)
     # The next call of the shape is a dictionary hit: no second profile.
-    assert the_dispatcher.choose(a100, torch.device("cpu"), *shape, None) == chosen
+    assert the_dispatcher.choose_config(a100, torch.device("cpu"), *shape, None)[0] == chosen
     assert len(tuner_calls.keys) == (1 if mode == "auto" else 0)
 
 

@@ -2,7 +2,7 @@
 
 Another process is played by a store of its own on the same database; the
 dispatcher under test is the module's (through kvsplit.merge_maxsum, with
-its per-layout plans), so a refresh that forgot ``dispatcher.plans`` would
+its per-layout plans), so a refresh that forgot ``dispatcher.launches`` would
 keep launching the old config and fail here.
 """
 
@@ -34,11 +34,11 @@ def test_a_winner_stored_elsewhere_replaces_the_heuristic_and_the_cached_plan(mo
     refresh_s(3600)  # the thread stays out of it: this test calls refresh() itself
     k, decision = call(num_splits=16, rows=8)
     assert (k, decision.source) == (4, "heuristic")
-    assert call(num_splits=16, rows=8, seed=1)[0] == 4 and len(dispatch_module.dispatcher.plans) == 1
+    assert call(num_splits=16, rows=8, seed=1)[0] == 4 and len(dispatch_module.dispatcher.launches) == 1
     keys.store_winner(isolated.url, keys.key_for(64, 16, 8), 2)  # a tuning job, elsewhere
     assert call(num_splits=16, rows=8, seed=2)[0] == 4  # a hit: no database access
     assert dispatch_module.dispatcher.refresh()
-    assert dispatch_module.dispatcher.plans == {}
+    assert dispatch_module.dispatcher.launches == {}
     k, decision = call(num_splits=16, rows=8, seed=3)
     assert (k, decision.source) == (2, "database")
     assert not dispatch_module.dispatcher.refresh()  # nothing new: one query, nothing dropped

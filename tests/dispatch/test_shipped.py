@@ -54,14 +54,14 @@ def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
     shipped = table[key]
     assert shipped.kv_split >= 4  # the cap below must bite
     fresh = dispatch_module.Dispatcher()
-    config = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
-                          132, 64, None)
+    config, _ = fresh.choose_config(H200, torch.device("cuda", 0), 512, torch.bfloat16,
+                                    torch.bfloat16, 0, 132, 64, None)
     decision = fresh.explain(H200, 512, torch.bfloat16, torch.bfloat16, 0, 132, 64)
     assert (config, decision.source) == (shipped, "shipped")
     # A cap still applies on top of the shipped choice.
     monkeypatch.setenv("KVSPLIT_MAX_SPLIT", "2")
-    capped = fresh.choose(H200, torch.device("cuda", 0), 512, torch.bfloat16, torch.bfloat16, 0,
-                          132, 64, None)
+    capped, _ = fresh.choose_config(H200, torch.device("cuda", 0), 512, torch.bfloat16,
+                                    torch.bfloat16, 0, 132, 64, None)
     assert capped == constrain_config(shipped, head_dim=512, elem_bytes=2, rows=64,
                                       num_splits=132, sm_count=132, max_split=2)
     assert capped.kv_split <= 2

@@ -1,9 +1,11 @@
-"""Validation of a merge call's layout and what its calls share (:class:`_LayoutPlan`).
+"""Validation of a merge call's layout: the checks that need no memory address.
 
 A layout is every tensor's dtype, shape, strides and device plus the scalars:
-validated once, in full, before any launch; :mod:`kvsplit.merge` keeps one
-plan per layout. Rows may be (rows,), (tokens, heads) or, for FlashAttention's
-combine, (batch, seqlen, heads), with any strides but on head_dim.
+validated once, in full, before any launch (:class:`kvsplit.launches.LayoutLaunch`
+runs these checks, and the launch table keeps one launch per layout). Rows
+may be (rows,), (tokens, heads) or, for FlashAttention's combine, (batch,
+seqlen, heads), with any strides but on head_dim. The checks of addresses
+(alignment, aliasing) run on every call, in the binding (csrc/fast_call.cpp).
 """
 
 from __future__ import annotations
@@ -14,13 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _kernel
-from .config import (DTYPE_PAIRS, FP8_DTYPES, NO_CUDA_KERNELS, QUANT_GROUPS, STATS_FORMAT_CODES,
-                     has_cuda_kernels, head_dim_rule, head_dim_supported)
-from .dispatch import dispatcher as _dispatch
-from .dispatch.constraints import group_quant_config, in_place_config
-from .dispatch.device import device_facts
-from .dispatch.keys import scattered_stats
+from .config import (DTYPE_PAIRS, FAMILIES, FP8_DTYPES, NO_CUDA_KERNELS, QUANT_GROUPS,
+                     STATS_FORMAT_CODES, has_cuda_kernels, head_dim_rule, head_dim_supported)
 
 MAXSUM, LSE = STATS_FORMAT_CODES["maxsum"], STATS_FORMAT_CODES["lse"]
 _LN2 = math.log(2.0)
@@ -41,10 +38,7 @@ _PARTIAL_DTYPES = tuple(_OUT_DTYPES)
 _FP8_DTYPES = tuple(getattr(torch, name) for name in FP8_DTYPES)
 _SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 _INDPTR_DTYPES = (torch.int32, torch.int64)
-_KV_SPLITS = _dispatch.KV_SPLITS
-_plans = _dispatch.dispatcher.plans
-_read_environment = _dispatch.read_environment
-_is_compiling = torch.compiler.is_compiling
+_KV_SPLITS = FAMILIES["kvsplit"]["kv_split"]
 
 
 def _is_real(value: object) -> bool:
@@ -260,110 +254,6 @@ def _heads(row_shape: tuple, sinks) -> int:
     if len(row_shape) > 1:
         return row_shape[-1]
     return sinks.numel() if isinstance(sinks, torch.Tensor) and sinks.numel() else 1
-
-
-class _LayoutPlan:
-    """What a layout's calls share: the launch plan and the byte extents and alignments."""
-
-    __slots__ = ("kernel", "native", "device_index", "rows", "fmt", "o_bytes", "call", "out_shape", "out_dtype", "stats_shape", "device",
-                 "store_bytes", "extents", "log2_scale", "cacheable")
-
-    def __init__(self, fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
-                 kv_split, *, out_stats=None, empty_stat=None, stats_in_place=False,
-                 row_dims=_PUBLIC_ROW_DIMS, row_mask_stride=1, out_dtype=None,
-                 extras: Extras = NO_EXTRAS, key_splits: Optional[int] = None):
-        """``out_stats``, ``empty_stat`` and ``stats_in_place`` are kvsplit.compat's: a given
-        exported-stats tensor (any strides), a stat that reads as empty, and an export
-        into split 0's stats (see params.h). ``out_dtype``: the output's, when ``out`` is
-        not given; ``extras``: the general call's options; ``key_splits``: the split count
-        the dispatcher keys (variable-length states: their mean per row)."""
-        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
-                              row_dims=row_dims, out_dtype=out_dtype)
-        if kv_split is not None:
-            kv_split = int(kv_split)  # numpy and other Integral scalars, validated above
-        if partial_o.device.type == "cuda":  # the driver and the build fit this GPU
-            _kernel.check_device(partial_o.device.index)
-        num_splits, *row_list, head_dim = partial_o.shape
-        row_shape = tuple(row_list)
-        rows = math.prod(row_shape)
-        heads = _heads(row_shape, sinks)
-        _check_extras(extras, out_dtype, row_shape, head_dim, num_splits, heads, partial_o.device)
-        _check_strides(partial_o, out, out_dtype)
-        device = partial_o.device
-        self.rows, self.device, self.out_dtype = rows, device, out_dtype
-        self.fmt, self.o_bytes = fmt, partial_o.dtype.itemsize
-        self.call = None  # the binding's CallPlan, made by the caller (see bind)
-        self.out_shape = row_shape + (head_dim,)
-        self.stats_shape = row_shape + ((2,) if fmt == MAXSUM else ())
-        if out_stats is not None:
-            _check_tensor("out_stats" if fmt == MAXSUM else "out_lse", out_stats, _STATS_DTYPES,
-                          self.stats_shape, device, len(row_shape) if fmt == MAXSUM else None)
-        self.store_bytes = _store_bytes(partial_o.dtype, out_dtype)
-        out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
-                                                           device="meta")
-        self.extents = (_extent(partial_o), _extent(stats), _extent(split_counts), _extent(sinks),
-                        _extent(out_like),
-                        _extent(out_stats) if out_stats is not None
-                        else 4 * math.prod(self.stats_shape))
-        if fmt == MAXSUM:
-            self.log2_scale, export_scale = None, _LN2
-        else:
-            self.log2_scale = 1.0 if scalar == 2.0 else _LOG2E
-            export_scale = 1.0 if scalar == 2.0 else _LN2
-        # native and device_index repeat kernel's, one attribute away for the per-call launch.
-        self.kernel, self.native, self.device_index, self.cacheable = None, None, -1, True
-        if rows:
-            facts = device_facts(device)
-            scattered = scattered_stats(fmt == MAXSUM, row_shape,
-                                        stats.stride()[1:1 + len(row_shape)])
-            config, self.cacheable = _dispatch.choose_for_plan(
-                facts, device, head_dim, partial_o.dtype, out_dtype, fmt,
-                key_splits or num_splits, rows, kv_split or None, scattered)
-            rules = dict(head_dim=head_dim, elem_bytes=partial_o.dtype.itemsize, rows=rows,
-                         num_splits=num_splits, sm_count=facts.sm_count if facts.is_cuda else None)
-            if stats_in_place:
-                config = in_place_config(config, **rules)
-            if extras.group_scales is not None:
-                config = group_quant_config(config, **rules, quant_group=extras.quant_group)
-            self.kernel = _kernel.Plan(
-                config, fmt, partial_o, stats, out_like, sinks, export_scale,
-                sm_count=facts.sm_count, pdl=_dispatch.pdl_enabled(), out_stats=out_stats,
-                empty_stat=empty_stat, stats_in_place=stats_in_place,
-                row_mask_stride=row_mask_stride, pass_through_tokens=extras.pass_through_from,
-                group_scales=extras.group_scales, quant_group=extras.quant_group or 0,
-                ue8m0=extras.ue8m0,
-                indptr_dtype=None if extras.indptr is None else extras.indptr.dtype)
-            self.native, self.device_index = self.kernel.native, self.kernel.device_index
-
-    def bind(self, *, parts: int = 0, in_place: bool = False,
-             more_extents: tuple = (0, 0, 0, 0), names: Optional[dict] = None):
-        """The binding's CallPlan of this layout (None when there is nothing to launch):
-        the launch and what the per-call checks read (csrc/fast_call.cpp), for partials
-        stacked (``parts`` 0) or held in ``parts`` tensors. ``more_extents``: the bytes of
-        (row_mask, indptr, out_scale, group_scales); ``names`` the arguments' names as the
-        caller's users know them (partial_o, stats, split_counts, sinks, out, out_stats, mask,
-        indptr, out_scale, group_scales; a part ``i`` of partial_o
-        is ``partial_o[i]`` unless ``names['o_parts']`` and ``names['s_parts']`` name
-        the parts)."""
-        if self.native is None:
-            return None
-        given = dict(names or {})
-        stats_name = _stats_name(self.fmt)
-        known = {"partial_o": "partial_o", "stats": stats_name, "split_counts": "split_counts",
-                 "sinks": "sinks", "out": "out",
-                 "out_stats": "out_stats" if self.fmt == MAXSUM else "out_lse",
-                 "mask": "mask", "indptr": "indptr", "out_scale": "out_scale",
-                 "group_scales": "group_scales"}
-        known.update({k: v for k, v in given.items() if k in known})
-        if parts:
-            o_names = given.get("o_parts") or [f"{known['partial_o']}[{i}]" for i in range(parts)]
-            s_names = given.get("s_parts") or [f"{known['stats']}[{i}]" for i in range(parts)]
-        else:
-            o_names, s_names = [known["partial_o"]], [known["stats"]]
-        return _kernel.CallPlan(self.native, self.device_index, self.store_bytes,
-                                self.o_bytes, parts, in_place, self.log2_scale,
-                                list(self.extents) + list(more_extents), list(o_names),
-                                list(s_names), list(known.values()))
 
 
 def _store_bytes(partial_dtype: torch.dtype, out_dtype: torch.dtype) -> int:

@@ -1,10 +1,13 @@
-"""What importing kvsplit loads: the tuning store (SQLAlchemy, Alembic) only at its first use."""
+"""What importing kvsplit loads (the tuning store's SQLAlchemy and Alembic only at its first
+use), and how its modules import each other: only down the layers, without cycles."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import import_graph  # tests/import_graph.py (tests/ is on sys.path: see conftest.py)
 
 
 def loaded_after(code: str, db_path) -> set[str]:
@@ -28,3 +31,76 @@ def test_the_first_merge_opens_the_store(tmp_path):
                           "kvsplit.merge_lse(torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 4))",
                           tmp_path / "tuning.sqlite")
     assert "sqlalchemy" in loaded
+
+
+# -- layers ---------------------------------------------------------------------------------
+# Imports only look down. The layers, bottom to top, and the modules each holds (a name
+# ending in ".*" takes a package's modules). A module may import modules of its own
+# layer and of the layers below, never above; the check counts function-local imports
+# too (tests/import_graph.py), so a lazy import is fine only when it points down.
+LAYERS = (
+    ("vocabulary", ("kvsplit._native", "kvsplit.config", "kvsplit.files", "kvsplit.terminal",
+                    "kvsplit.reference", "kvsplit.installed")),
+    # Beside the vocabulary: the store imports nothing of the layers above.
+    ("store", ("kvsplit.db", "kvsplit.db.*")),
+    ("op", ("kvsplit._kernel", "kvsplit.validation", "kvsplit.launches")),
+    ("tuning", ("kvsplit.autotune", "kvsplit.autotune.*")),
+    ("choice", ("kvsplit.dispatch", "kvsplit.dispatch.*")),
+    ("api", ("kvsplit", "kvsplit.merge", "kvsplit._call", "kvsplit.compat", "kvsplit.compat.*")),
+    ("cli", ("kvsplit.__main__", "kvsplit.cli", "kvsplit.cli.*", "kvsplit.info", "kvsplit.demo")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer that holds ``module``."""
+    for index, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if module == member or (member.endswith(".*")
+                                    and module.startswith(member.removesuffix("*"))):
+                return index
+    raise LookupError(f"{module} is in no layer of tests/test_imports.py's LAYERS: place it")
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as text."""
+    return [f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
+            f"({LAYERS[layer_of(target)][0]})"
+            for source in sorted(edges) for target in sorted(edges[source])
+            if layer_of(target) > layer_of(source)]
+
+
+def test_every_module_is_in_one_layer():
+    for module in import_graph.graph():
+        layer_of(module)
+
+
+def test_imports_only_look_down():
+    assert upward_imports(import_graph.graph()) == []
+
+
+def test_no_cycles_among_modules_or_folders():
+    edges = import_graph.graph()
+    assert import_graph.cycles(edges) == []
+    assert import_graph.cycles(import_graph.packages(edges)) == []
+
+
+def test_the_check_sees_an_upward_import_and_a_cycle():
+    """The checks can fail: a function-local import of the dispatcher in the op layer is
+    caught, and so is a cycle through it."""
+    edges = {module: set(targets) for module, targets in import_graph.graph().items()}
+    edges["kvsplit.launches"].add("kvsplit.dispatch.dispatcher")
+    assert upward_imports(edges) == ["kvsplit.launches (op) imports kvsplit.dispatch.dispatcher "
+                                     "(choice)"]
+    assert ["kvsplit.dispatch.dispatcher", "kvsplit.launches"] in import_graph.cycles(edges)
+
+
+def test_the_graph_counts_function_local_imports(tmp_path):
+    (tmp_path / "kvsplit").mkdir()
+    (tmp_path / "kvsplit" / "__init__.py").write_text("")
+    (tmp_path / "kvsplit" / "low.py").write_text("def f():\n    from . import high\n")
+    (tmp_path / "kvsplit" / "high.py").write_text("from .low import f\n")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.scikit-build.wheel.packages]\n"kvsplit" = "kvsplit"\n')
+    edges = import_graph.graph(tmp_path)
+    assert edges["kvsplit.low"] == {"kvsplit.high"} and edges["kvsplit.high"] == {"kvsplit.low"}
+    assert import_graph.cycles(edges) == [["kvsplit.high", "kvsplit.low"]]

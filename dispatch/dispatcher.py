@@ -11,7 +11,8 @@ shape, decides in this order:
    or a fixed Few config (``few:VECTORS``, e.g. ``few:2``);
    ``auto`` (default) and ``cached`` go on;
 3. the tuning database (``KVSPLIT_DB``), loaded whole for this device and
-   kernel build on first use;
+   kernel build on first use (the store, and the tuner, are imported then:
+   ``import kvsplit`` loads neither);
 4. the tables shipped with the package for this device;
 5. ``auto``: profile the key now (never during CUDA-graph capture: then the
    heuristic serves, nothing is cached and the key is recorded as pending);
@@ -42,13 +43,9 @@ from importlib import resources
 
 import torch
 
-from ..autotune import tuner
 from ..config import STATS_FORMAT_CODES, KernelConfig, build_hash
 from ..launches import ConfigRequest, LaunchTable
 from ..launches import table as launch_table
-from .. import db as _db
-from ..db import read_export
-from . import pending as pending_keys
 from .refresh import Refresher, refresh_interval
 from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, FEW_VECTORS,
                           KV_SPLITS, configs_for_key, constrain_config, group_quant_config,
@@ -267,11 +264,16 @@ class Dispatcher:
         if mode == "cached":
             return Decision(constrained(fallback), "heuristic", key)
         if capturing:
+            from . import pending as pending_keys  # the store's side loads on a table miss
+
             pending_keys.add(key)
             return Decision(constrained(fallback), "capture", key)
         return self._tune(facts, device, key, (rows, num_splits), db_url, constrained, fallback)
 
     def _tune(self, facts, device, key, shape, db_url, constrained, fallback) -> Decision:
+        from ..autotune import tuner  # loaded at the first profile, with the store's side
+        from . import pending as pending_keys
+
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # concurrent callers of one key profile it once
@@ -317,7 +319,9 @@ class Dispatcher:
             if self._store is None or self._store_url != db_url:
                 # A short busy timeout: a serving process must not stall for
                 # long behind another process's write lock.
-                self._store = _db.open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
+                from .. import db  # the store loads at its first use: a table miss
+
+                self._store = db.open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
                 self._store_url = db_url
                 self._store_in_memory = self._store.in_memory
                 self._store_reopened = self._store.reopened
@@ -436,6 +440,8 @@ def _shipped_table(facts: DeviceFacts) -> dict:
     """Winners shipped in kvsplit/tables/*.json for this device (any kernel build)."""
     table = _SHIPPED.get(facts)
     if table is None:
+        from ..db import read_export
+
         table = {}
         info = device_info(facts)
         folder = resources.files("kvsplit").joinpath("tables")

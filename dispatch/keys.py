@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from ..config import SCATTERED
-from ..db import DeviceInfo, TuningKey
 from .device import DeviceFacts
 
 STATS_FORMATS = {0: "maxsum", 1: "lse"}
@@ -72,6 +71,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def device_info(facts: DeviceFacts):
     """The database's DeviceInfo for a device."""
+    from ..db import DeviceInfo  # the store's types load at the first key, not with kvsplit
+
     return DeviceInfo(name=facts.name[:128], cc_major=facts.cc_major, cc_minor=facts.cc_minor,
                       sm_count=facts.sm_count)
 
@@ -80,6 +81,8 @@ def tuning_key(facts: DeviceFacts, build_hash: str, head_dim: int, partial_dtype
                out_dtype: str, stats_format: str, num_splits: int, rows: int,
                scattered: bool = False):
     """The database key of a call, with rows and num_splits bucketed."""
+    from ..db import TuningKey
+
     return TuningKey(device=device_info(facts), build_hash=build_hash, head_dim=head_dim,
                      partial_dtype=partial_dtype, out_dtype=out_dtype,
                      stats_format=key_stats_format(stats_format, scattered),

@@ -10,9 +10,11 @@ import sys
 import import_graph  # tests/import_graph.py (tests/ is on sys.path: see conftest.py)
 
 
-def loaded_after(code: str, db_path) -> set[str]:
-    """Top-level modules present after running ``code`` in a fresh interpreter."""
-    probe = code + "\nimport sys; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+def loaded_after(code: str, db_path, *, top_level: bool = True) -> set[str]:
+    """Modules present after running ``code`` in a fresh interpreter (top-level names only,
+    unless ``top_level`` is False)."""
+    names = "{m.split('.')[0] for m in sys.modules}" if top_level else "set(sys.modules)"
+    probe = code + f"\nimport sys; print(' '.join(sorted({names})))"
     env = {**os.environ, "KVSPLIT_DB": str(db_path)}
     result = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
                             check=True, timeout=120, env=env)
@@ -24,6 +26,17 @@ def test_importing_kvsplit_and_its_merges_loads_no_store(tmp_path):
                           tmp_path / "tuning.sqlite")
     assert {"torch", "kvsplit"} <= loaded
     assert not {"sqlalchemy", "alembic", "matplotlib", "rich", "click"} & loaded
+
+
+def test_the_store_and_the_tuner_load_at_the_first_table_miss(tmp_path):
+    imports = "import kvsplit, kvsplit.merge, kvsplit.compat.vllm, kvsplit.dispatch.dispatcher"
+    loaded = loaded_after(imports, tmp_path / "tuning.sqlite", top_level=False)
+    assert {"kvsplit.merge", "kvsplit.dispatch.dispatcher"} <= loaded
+    assert not {"kvsplit.db", "kvsplit.autotune.tuner"} & loaded
+    loaded = loaded_after(imports + "\nimport torch\n"
+                          "kvsplit.merge_lse(torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 4))",
+                          tmp_path / "tuning.sqlite", top_level=False)
+    assert {"kvsplit.db", "kvsplit.autotune.tuner"} <= loaded
 
 
 def test_the_first_merge_opens_the_store(tmp_path):

@@ -72,7 +72,6 @@ class WorkerResult:
 
     owner: str
     taken_over: list[tuple[TuningKey, str]] = field(default_factory=list)
-    waited_s: float = 0.0
 
 
 def run_worker(claims: Claims, keys: Sequence[TuningKey], tune_one: Callable[[TuningKey], TuningRecord],
@@ -97,9 +96,7 @@ def run_worker(claims: Claims, keys: Sequence[TuningKey], tune_one: Callable[[Tu
         if claim is None:
             if step.busy == 0:
                 return result
-            waited = poll_interval(lease_s)
-            time.sleep(waited)
-            result.waited_s += waited
+            time.sleep(poll_interval(lease_s))
             continue
         if claim.taken_from is not None:
             result.taken_over.append((claim.key, claim.taken_from))

@@ -54,23 +54,17 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     """The configs worth timing at ``key``: three group counts K at and below
     the shape's sweet spot; for DSplit, per K the two slice counts whose CTAs
     come closest to 128 threads, and DSplit also at the fewest groups that
-    take a row's partials in one 16-deep round, where that is below those Ks
-    (at D = 128, 32 rows, N = 264 that K = 32 was 5 % faster than the best at
-    K = 64 or 128). Besides, every DSplit config whose item is one warp
-    (lanes x K = 32; they run four or eight to a CTA with no barrier).
-    KvSplit K = 1 always stays. Each DSplit config is timed at the round
-    depths of :func:`dsplit_depths`. Every Few config the constraints offer
-    stays (at most three: 1, 2 or 4 vectors a thread; only at 16 states or
-    fewer). Median 18 candidates a key over the
-    shipped H200 grid (16 over the adapters' grid, 18 over the unseen shapes
-    of benchmarks/bench_dispatch.py), at most 25 over those keys (before the
-    Few family, not yet timed on a GPU)."""
+    take a row's partials in one 16-deep round, where that is below those Ks.
+    Besides, every DSplit config whose item is one warp (lanes x K = 32; they
+    run four or eight to a CTA with no barrier). KvSplit K = 1 always stays.
+    Each DSplit config is timed at the round depths of :func:`dsplit_depths`.
+    Every Few config the constraints offer stays (at most three: 1, 2 or 4
+    vectors a thread; only at 16 states or fewer). What each rule was measured
+    against, and the candidates a key it leaves: docs/history.md, "Pruning"."""
     vectors = key.head_dim * _DTYPES[key.partial_dtype].itemsize // 16  # per row
     sweet = min(2 * _TARGET_THREADS / (key.rows * vectors), key.num_splits / 2)
     k_hi = 1 << max(0, math.floor(math.log2(max(sweet, 1))))
-    # Since the 8- and 16-deep kernels hold a round in registers, the best DSplit K is
-    # mostly one to three halvings below the sweet spot (55 of the 67 shapes of
-    # benchmarks/bench_dispatch.py on the H200; at the 12 others KvSplit or K = k_hi).
+    # The best DSplit K is mostly one to three halvings below the sweet spot.
     ks = {k_hi, k_hi // 2, k_hi // 4} - {0}
     # DSplit also at the fewest groups that take a row in one 16-deep round, below those.
     one_round = 1 << max(0, math.ceil(math.log2(math.ceil(key.num_splits / 16))))
@@ -101,23 +95,10 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
 def dsplit_depths(per_group: int, one_warp: bool = False) -> set[int]:
     """The round depths timed for DSplit groups of ``per_group`` partials.
 
-    8-deep up to 8 partials (and 4-deep as well for items of one warp); 4-, 8-
-    and 16-deep with 9-16; 8- and 16-deep past 16.
-    Measured on the H200 once the 8- and 16-deep kernels got the registers to
-    issue a whole round at once (merge_dsplit.cuh; every valid config at the
-    67 shapes of benchmarks/bench_dispatch.py, bf16 maxsum; docs/history.md, "Pruning"):
-    with at most 8 partials a group the 8-deep round (one round trip, 90-110
-    registers) was as fast as or faster than the 4-deep one (64) wherever it
-    mattered; with 9-16 each depth won somewhere (4-deep where many CTAs
-    compete for an SM's registers); past 16 the 4-deep one never won. With the
-    K rule of :func:`prune`, this left an offline regret of 0.04 % geomean /
-    0.99 % worst over the grid and 0.03 % / 0.71 % over the unseen shapes,
-    against 0.65 % / 5.5 % and 0.31 % / 3.5 % for the rule before it (4-deep,
-    and 16-deep past 4 partials, at two Ks). One-warp items with up to 8
-    partials a group are timed 4-deep as well: at 2048 rows of D = 128, N =
-    16, P1xK2 4-deep took 3.26 us against 3.44 for the tuner's KvSplit K2
-    with 8-deep one-warp candidates only (LSE, bench_peers), because the
-    4-deep kernel's 64 registers let more of its CTAs share an SM."""
+    8-deep up to 8 partials (and 4-deep as well for items of one warp, whose
+    64 registers let more CTAs share an SM); 4-, 8- and 16-deep with 9-16,
+    where each depth wins somewhere; 8- and 16-deep past 16, where the 4-deep
+    round never won (docs/history.md, "Pruning")."""
     if per_group <= 8:
         return {4, 8} if one_warp else {8}
     return {4, 8, 16} if per_group <= 16 else {8, 16}
@@ -174,7 +155,7 @@ class _Scratch:
         return _kernel.run(launch, o, stats, out, 1.0)
 
 
-_REPLAY_US = 80.0  # a replay's target length on a GPU (120 put N = 200 keys at 51-53 ms)
+_REPLAY_US = 80.0  # a replay's target length on a GPU (docs/history.md, "First-use time")
 
 
 def _partial_bytes(key) -> int:
@@ -233,9 +214,9 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
     dispatch layer's ``configs_for_key`` gives them). ``shape`` is the (rows,
     num_splits) to profile, at most the key's own values: the call that asked
     for the key, or the values a grid named. By default the key's own values,
-    the upper ends of its buckets. The record is keyed by ``key`` either way. (On the H200 the best config can change within a bucket: at
-    D = 512, 64 rows the 8-deep P2xK8 was 8 % faster than P8xK4d16 at N = 132,
-    level with it at 144, the upper end of that bucket.)
+    the upper ends of its buckets. The record is keyed by ``key`` either way
+    (the best config can change within a bucket: docs/history.md, "Profiling
+    a key at the shape that asked for it").
 
     Raises
     ------

@@ -1,4 +1,4 @@
-"""Per-launch time of every kernel config on the issues' benchmark grid.
+"""Per-launch time of every kernel config on the benchmark grid.
 
 Run on a GPU machine:  python -P benchmarks/bench_merge.py [--out DIR]
 then  python benchmarks/report.py DIR  for the tables.

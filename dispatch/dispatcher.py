@@ -345,7 +345,7 @@ class Dispatcher:
     def _own_write(self, store, url: str | None, before) -> None:
         """After this process stored one record: the tables that were current before it stay
         current, so that the next miss does not reload a whole table for a row this process
-        already holds (40 ms at a few hundred rows). Only when the counter moved by exactly
+        already holds (docs/history.md, "First-use time"). Only when the counter moved by exactly
         one, i.e. no other writer came in between; otherwise the next check reloads."""
         if store.in_memory or not (before is None or type(before) is int):
             return

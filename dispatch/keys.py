@@ -9,8 +9,8 @@ fraction of the power of two at or above it:
   one batch of 4-deep loads; then 72, 80, ... 128, 144, ... 256, 288, ...):
   eight buckets per octave, at most 12.5 % above.
 The DSplit family's best group count follows rows and num_splits closely
-(groups of a few partials, ~64K threads in all): half-octave buckets cost up
-to 12 % on an H200 at shapes the tuning grid did not see.
+(groups of a few partials, ~64K threads in all), so buckets are narrow
+(docs/history.md, "Pruning").
 A key is profiled at the shape that asked for it: the first call of that
 bucket at first use, the grid's own values in `kvsplit tune` (the buckets'
 upper ends only for keys met during CUDA-graph capture, whose shapes are not

@@ -1,4 +1,4 @@
-"""Two GPUs of one host (issue 16). Every test here skips on a machine with fewer than two.
+"""Two GPUs of one host. Every test here skips on a machine with fewer than two.
 
 - a merge of tensors on cuda:1 while cuda:0 is current runs on device 1's
   current stream (ordered after earlier work there) and is right; the same

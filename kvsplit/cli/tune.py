@@ -106,8 +106,8 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
     def tune_one(key: TuningKey):
         nonlocal warm
         if not warm:
-            # An idle GPU's clocks ramp up during its first milliseconds of work: the first
-            # key of an H200 run was timed 1.5x slow (3.31 against 2.13-2.15 us) without this.
+            # An idle GPU's clocks ramp up during its first milliseconds of work, which
+            # would slow the first key's timings (docs/history.md, "Spinning the GPU up").
             with torch.cuda.device(target):
                 timing.spin_up_gpu()
             warm = True

@@ -1,4 +1,4 @@
-"""Fleet tuning (issue 15): worker processes share one grid through the database, on SQLite and PostgreSQL.
+"""Fleet tuning: worker processes share one grid through the database, on SQLite and PostgreSQL.
 
 Each worker is a process of its own running the real ``kvsplit tune`` command
 line (tests/autotune/fleetlib.py), as a host of a fleet would, against one

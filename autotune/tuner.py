@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import _kernel
-from ..config import BASELINE, DTYPE_CODES, STATS_FORMAT_CODES, KernelConfig, split_stats_format
+from ..config import (BASELINE, DSPLIT, DTYPE_CODES, FEW, KVSPLIT, MAXSUM_FORMAT,
+                      STATS_FORMAT_CODES, KernelConfig, split_stats_format)
 from ..db import CandidateResult, TuningPolicy, TuningRecord
 from ..db.transfer import tool_version
 from ..reference import random_partials
@@ -72,15 +73,15 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     # Per K, the two slice counts whose CTAs come closest to 128 threads.
     slices = {}
     for k in dsplit_ks:
-        options = sorted({c.slices for c in configs if c.family == "dsplit" and c.kv_split == k},
+        options = sorted({c.slices for c in configs if c.family == DSPLIT and c.kv_split == k},
                          key=lambda p: (abs(math.log2(k * vectors / p / 128)), p))
         slices[k] = set(options[:2])
     kept = []
     for c in configs:
-        if c.family == "few":
+        if c.family == FEW:
             kept.append(c)
             continue
-        if c.family == "kvsplit":
+        if c.family == KVSPLIT:
             if c.kv_split == 1 or c.kv_split in ks:
                 kept.append(c)
             continue
@@ -127,7 +128,7 @@ class _Scratch:
         self.key = key
         stats_format, scattered = split_stats_format(key.stats_format)
         self.stats_format = STATS_FORMAT_CODES[stats_format]
-        self.maxsum = stats_format == "maxsum"
+        self.maxsum = stats_format == MAXSUM_FORMAT
         self.device = device
         self.sets = []
         for _ in range(copies):

@@ -1,8 +1,8 @@
 """Policy on top of the kernel layer: which legal config a call may run.
 
 What the kernels can run at all (legal values, a KvSplit group holding a
-whole row, a DSplit slice of 4..32 lanes, CTAs of 32..512 threads) is the
-kernel layer's to say: :mod:`kvsplit.config` asks the compiled module. This
+whole row, a DSplit slice's lanes, a CTA's threads) is the kernel layer's
+to say: :mod:`kvsplit.config` asks the compiled module's check. This
 module adds the policy. A choice from the tuning database, a shipped table,
 the caller or the environment is always passed through :func:`constrain_config`,
 which halves kv_split until all of these hold:
@@ -26,10 +26,9 @@ candidates) only to calls of at most :data:`FEW_MAX_SPLITS` states.
 
 from __future__ import annotations
 
-from ..config import (DTYPE_BYTES, FAMILIES, LIMITS, KernelConfig, check, check_call,
-                      dsplit_slice_elems, kvsplit_rows_per_band, legal_configs)
+from ..config import (DSPLIT, DTYPE_BYTES, FAMILIES, FEW, KVSPLIT, LIMITS, KernelConfig, check,
+                      check_call, dsplit_slice_elems, kvsplit_rows_per_band, legal_configs)
 
-KVSPLIT, DSPLIT, FEW = "kvsplit", "dsplit", "few"
 KV_SPLITS: tuple[int, ...] = FAMILIES[KVSPLIT]["kv_split"]
 DSPLIT_SLICES: tuple[int, ...] = FAMILIES[DSPLIT]["slices"]
 DSPLIT_KV_SPLITS: tuple[int, ...] = FAMILIES[DSPLIT]["kv_split"]
@@ -55,12 +54,15 @@ def num_ctas(kv_split: int, head_dim: int, elem_bytes: int, rows: int) -> int:
 
 def violations(kv_split: int, *, head_dim: int, elem_bytes: int, rows: int, num_splits: int,
                sm_count: int | None, max_split: int | None = None) -> list[str]:
-    """Names of the constraints that KvSplit ``kv_split`` breaks (empty: valid)."""
+    """Names of the constraints that KvSplit ``kv_split`` breaks (empty: valid): the kernel
+    layer's rule (``group_holds_row``: the binding's check), ``max_split``, ``cta_budget``
+    and ``num_splits``."""
     broken = []
     if max_split is not None and kv_split > max_split:
         broken.append("max_split")
-    if rows_per_cta(kv_split, head_dim, elem_bytes) < 1:
-        broken.append("group_holds_row")
+    rule = check(kvsplit_config(kv_split), head_dim, elem_bytes)
+    if rule is not None:
+        broken.append(rule)
     elif (sm_count is not None and kv_split > 1
             and num_ctas(kv_split, head_dim, elem_bytes, rows) > CTAS_PER_SM * sm_count):
         broken.append("cta_budget")

@@ -43,7 +43,7 @@ from importlib import resources
 
 import torch
 
-from ..config import STATS_FORMAT_CODES, KernelConfig, build_hash
+from ..config import DSPLIT, FEW, MAXSUM_FORMAT, STATS_FORMAT_CODES, KernelConfig, build_hash
 from ..launches import ConfigRequest, LaunchTable
 from ..launches import table as launch_table
 from .refresh import Refresher, refresh_interval
@@ -58,7 +58,7 @@ __all__ = ["KV_SPLITS", "MODES", "Decision", "Dispatcher", "choose_config", "con
            "dispatcher", "pdl_enabled", "read_environment"]
 
 log = logging.getLogger("kvsplit.dispatch")
-MAXSUM = STATS_FORMAT_CODES["maxsum"]
+MAXSUM = STATS_FORMAT_CODES[MAXSUM_FORMAT]
 _LIBRARY_DB_TIMEOUT_S = 5.0
 #: Decisions that come from a table of winners: a refresh that changes their key drops them.
 _TABLE_SOURCES = ("database", "shipped", "heuristic", "tuned")
@@ -72,7 +72,7 @@ def _fixed_config(mode: str) -> KernelConfig | None:
     if mode.isdigit() and int(mode) in KV_SPLITS:
         return kvsplit_config(int(mode))
     family, *numbers = mode.split(":")
-    arities = {"dsplit": (2, 3), "few": (1,)}
+    arities = {DSPLIT: (2, 3), FEW: (1,)}
     if family in arities and len(numbers) in arities[family] and all(n.isdigit() for n in numbers):
         try:
             return getattr(KernelConfig, family)(*map(int, numbers))

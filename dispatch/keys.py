@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SCATTERED
+from ..config import SCATTERED, STATS_FORMAT_NAMES
 from .device import DeviceFacts
 
-STATS_FORMATS = {0: "maxsum", 1: "lse"}
+STATS_FORMATS = STATS_FORMAT_NAMES  # code -> name, the binding's
 
 
 def scattered_stats(maxsum: bool, row_shape, row_strides) -> bool:

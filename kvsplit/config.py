@@ -33,8 +33,23 @@ DTYPE_CODES: dict[str, int] = dict(_ext.DTYPES)
 DTYPE_BYTES: dict[str, int] = dict(_ext.DTYPE_BYTES)
 #: stats format name -> code.
 STATS_FORMAT_CODES: dict[str, int] = dict(_ext.STATS_FORMATS)
+#: stats format code -> name.
+STATS_FORMAT_NAMES: dict[int, str] = {code: name for name, code in STATS_FORMAT_CODES.items()}
 #: family name -> code.
 FAMILY_CODES: dict[str, int] = dict(_ext.FAMILIES)
+
+
+def _exported(name: str, names) -> str:
+    """``name``, which Python code treats apart, if the compiled module exports it."""
+    if name not in names:
+        raise ImportError(f"kvsplit's compiled module has no {name!r} (it has {', '.join(names)}): "
+                          "it is another build than this Python package's; reinstall kvsplit")
+    return name
+
+
+#: The families and stats formats that code treats one by one, by their exported names.
+KVSPLIT, DSPLIT, FEW = (_exported(name, FAMILY_CODES) for name in ("kvsplit", "dsplit", "few"))
+MAXSUM_FORMAT, LSE_FORMAT = (_exported(name, STATS_FORMAT_CODES) for name in ("maxsum", "lse"))
 #: family name -> {parameter name -> legal values}.
 FAMILIES: dict[str, dict[str, tuple[int, ...]]] = {
     family: {name: tuple(values) for name, values in params.items()}
@@ -54,6 +69,11 @@ PARTIAL_DTYPES: tuple[str, ...] = tuple(dict.fromkeys(a for a, _ in DTYPE_PAIRS)
 OUT_DTYPES: tuple[str, ...] = tuple(dict.fromkeys(b for _, b in DTYPE_PAIRS))
 #: Output dtypes that take an FP8 scale.
 FP8_DTYPES: tuple[str, ...] = tuple(d for d in OUT_DTYPES if d.startswith("float8"))
+#: partial dtype name -> the output dtype of a call that names none: the partials' own,
+#: bfloat16 for float32 partials (a choice of the Python API, among the kernels' pairs).
+DEFAULT_OUT_DTYPES: dict[str, str] = {
+    partial: partial if partial != "float32" else "bfloat16" for partial in PARTIAL_DTYPES}
+assert all(pair in DTYPE_PAIRS for pair in DEFAULT_OUT_DTYPES.items())
 
 
 #: partial dtype name -> the head dims the kernels take (the kernel layer's rule, asked once
@@ -78,6 +98,9 @@ def head_dim_rule(partial_dtype: str) -> str:
 #: A tuning key's stats format is the kernel's format, or it with this suffix
 #: for the layout class whose stats of adjacent rows are apart (dispatch/keys.py).
 SCATTERED = ":scattered"
+#: Every stats format a tuning key can hold: each kernel format, and it with SCATTERED.
+KEY_STATS_FORMATS: tuple[str, ...] = (tuple(STATS_FORMAT_CODES)
+                                      + tuple(name + SCATTERED for name in STATS_FORMAT_CODES))
 
 
 def split_stats_format(field: str) -> tuple[str, bool]:
@@ -87,7 +110,7 @@ def split_stats_format(field: str) -> tuple[str, bool]:
     return base, bool(layout)
 
 
-BASELINE_FAMILY = "kvsplit"
+BASELINE_FAMILY = KVSPLIT
 BASELINE_PARAMS: dict[str, int] = {"kv_split": 1}
 
 
@@ -158,18 +181,18 @@ class KernelConfig:
     @classmethod
     def kvsplit(cls, kv_split: int) -> KernelConfig:
         """The KvSplit family config with ``kv_split`` thread groups per row."""
-        return cls("kvsplit", {"kv_split": kv_split})
+        return cls(KVSPLIT, {"kv_split": kv_split})
 
     @classmethod
     def dsplit(cls, slices: int, kv_split: int, depth: int = 4) -> KernelConfig:
         """The DSplit family config: ``slices`` CTAs per row, ``kv_split`` groups, ``depth`` per round."""
-        return cls("dsplit", {"depth": depth, "kv_split": kv_split, "slices": slices})
+        return cls(DSPLIT, {"depth": depth, "kv_split": kv_split, "slices": slices})
 
     @classmethod
     def few(cls, vectors: int = 1) -> KernelConfig:
         """The Few family config: ``vectors`` 16-byte vectors of a row per thread, each
         thread merging every state of them (its rounds' depth: :func:`few_depth`)."""
-        return cls("few", {"vectors": vectors})
+        return cls(FEW, {"vectors": vectors})
 
     @property
     def params(self) -> dict[str, int]:

@@ -45,7 +45,13 @@ def out_dtypes() -> tuple[str, ...]:
 
 def stats_formats() -> tuple[str, ...]:
     """Stats formats a tuning key can hold: each kernel format, and it with ``:scattered``."""
-    from .config import SCATTERED, STATS_FORMAT_CODES
+    from .config import KEY_STATS_FORMATS
 
-    names = tuple(STATS_FORMAT_CODES)
-    return names + tuple(name + SCATTERED for name in names)
+    return KEY_STATS_FORMATS
+
+
+def default_out_dtype(partial_dtype: str) -> str:
+    """The output dtype of a merge of ``partial_dtype`` partials that names none."""
+    from .config import DEFAULT_OUT_DTYPES
+
+    return DEFAULT_OUT_DTYPES[partial_dtype]

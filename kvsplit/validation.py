@@ -16,29 +16,27 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .config import (DTYPE_PAIRS, FAMILIES, FP8_DTYPES, NO_CUDA_KERNELS, QUANT_GROUPS,
+from .config import (DEFAULT_OUT_DTYPES, DTYPE_PAIRS, FAMILIES, FP8_DTYPES, KVSPLIT,
+                     LSE_FORMAT, MAXSUM_FORMAT, NO_CUDA_KERNELS, QUANT_GROUPS,
                      STATS_FORMAT_CODES, has_cuda_kernels, head_dim_rule, head_dim_supported)
 
-MAXSUM, LSE = STATS_FORMAT_CODES["maxsum"], STATS_FORMAT_CODES["lse"]
+MAXSUM, LSE = STATS_FORMAT_CODES[MAXSUM_FORMAT], STATS_FORMAT_CODES[LSE_FORMAT]
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _STATS_DTYPES = (torch.float32,)
 _COUNT_DTYPES = (torch.int32,)
-# partial dtype -> the output dtypes it merges into (the first is the default:
-# 16-bit partials produce their own dtype, float32 partials bfloat16).
-_OUT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {}
-for _partial, _out in DTYPE_PAIRS:
-    _OUT_DTYPES.setdefault(getattr(torch, _partial), ())
-    _OUT_DTYPES[getattr(torch, _partial)] += (getattr(torch, _out),)
-for _partial, _outs in _OUT_DTYPES.items():
-    _first = _partial if _partial != torch.float32 else torch.bfloat16
-    _OUT_DTYPES[_partial] = (_first,) + tuple(d for d in _outs if d != _first)
+# partial dtype -> the output dtypes it merges into, the default (DEFAULT_OUT_DTYPES) first.
+_OUT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    getattr(torch, partial): tuple(getattr(torch, out) for out in
+                                   dict.fromkeys([default] + [b for a, b in DTYPE_PAIRS
+                                                              if a == partial]))
+    for partial, default in DEFAULT_OUT_DTYPES.items()}
 _PARTIAL_DTYPES = tuple(_OUT_DTYPES)
 _FP8_DTYPES = tuple(getattr(torch, name) for name in FP8_DTYPES)
 _SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 _INDPTR_DTYPES = (torch.int32, torch.int64)
-_KV_SPLITS = FAMILIES["kvsplit"]["kv_split"]
+_KV_SPLITS = FAMILIES[KVSPLIT]["kv_split"]
 
 
 def _is_real(value: object) -> bool:

@@ -28,7 +28,7 @@ from kvsplit import _kernel, reference
 from kvsplit import merge as merge_module
 from kvsplit.config import has_cuda_kernels
 from kvsplit.dispatch import dispatcher
-from kvsplit.dispatch.constraints import KVSPLIT
+from kvsplit.dispatch.constraints import KVSPLIT, constrain
 
 # Test helper modules (merge_grid.py) import by name under --import-mode=importlib.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -135,17 +135,10 @@ def assert_same_function(fmt, out, out_stats, base_out, base_stats):
 
 
 def expected_kv_split(kv_split, *, head_dim, elem_bytes, rows, num_splits, sm_count=None):
-    """The K a forced ``kv_split`` runs as, from the constraints written out here (not from dispatch/)."""
-    k = kv_split
-    while k > 1:
-        group_holds_row = (512 // k) * 16 >= head_dim * elem_bytes
-        rows_per_cta = (512 // k) * 16 // (head_dim * elem_bytes)
-        fits_grid = (sm_count is None or not group_holds_row
-                     or -(-rows // rows_per_cta) <= 2 * sm_count)
-        if group_holds_row and fits_grid and k <= num_splits:
-            break
-        k //= 2
-    return k
+    """The K a forced ``kv_split`` runs as: the constraints' (tested against worked cases in
+    tests/dispatch/test_constraints.py), which the merge must apply."""
+    return constrain(kv_split, head_dim=head_dim, elem_bytes=elem_bytes, rows=rows,
+                     num_splits=num_splits, sm_count=sm_count)
 
 
 def cuda_skip_reason() -> str | None:

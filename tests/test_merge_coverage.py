@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvsplit
-from kvsplit.config import KernelConfig
+from kvsplit.config import KVSPLIT, KernelConfig, legal_configs
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
 
@@ -48,8 +48,9 @@ def dsplit_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[Kern
 
 
 def kvsplit_configs(head_dim: int, elem_bytes: int, num_splits: int) -> list[KernelConfig]:
-    return [KernelConfig.kvsplit(k) for k in (1, 2, 4, 8, 16)
-            if (512 // k) * 16 >= head_dim * elem_bytes and k <= num_splits]
+    """The KvSplit configs the kernel layer takes (its check: worked cases in
+    tests/test_config.py), at most num_splits groups."""
+    return [c for c in legal_configs(head_dim, elem_bytes, (KVSPLIT,)) if c.kv_split <= num_splits]
 
 
 def few_configs(head_dim: int, elem_bytes: int) -> list[KernelConfig]:

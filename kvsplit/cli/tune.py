@@ -20,9 +20,6 @@ from .. import installed
 from .kit import DatabaseProblem, db_option, storing_db_url
 from ..terminal import text
 
-_OUT_DTYPE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "bfloat16"}
-
-
 def _ints(ctx, param, value: str) -> list[int]:
     try:
         numbers = [int(v) for v in value.split(",") if v.strip()]
@@ -149,8 +146,8 @@ def _grid(targets: list, head_dims, dtypes, formats, num_splits, rows,
     shapes: dict = {}
     for d, dtype, out, fmt, n, r, facts in itertools.product(head_dims, dtypes, out_dtypes,
                                                               formats, num_splits, rows, models):
-        key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype, out or _OUT_DTYPE[dtype], fmt,
-                         n, r)
+        key = tuning_key(facts, build_hash(facts.is_cuda), d, dtype,
+                         out or installed.default_out_dtype(dtype), fmt, n, r)
         shapes.setdefault(key, (r, n))
     return list(shapes), {key.model_dump_json(): shape for key, shape in shapes.items()}
 

@@ -25,7 +25,7 @@ from kvsplit.config import build_hash
 from kvsplit.db import DeviceInfo, KernelConfig, TuningKey, TuningRecord, open_store
 from kvsplit.db.transfer import tool_version
 from kvsplit.dispatch import dispatcher as dispatch_module
-from kvsplit.dispatch.constraints import configs_for_key, kvsplit_config
+from kvsplit.dispatch.constraints import configs_for_key, kvsplit_config, valid_kv_splits
 from kvsplit.dispatch.device import device_facts
 from kvsplit.dispatch.keys import device_info
 
@@ -68,18 +68,6 @@ def cpu_key(head_dim=64, num_splits=16, rows=8, *, dtype="bfloat16", stats_forma
                      stats_format=stats_format, num_splits=num_splits, rows=rows)
 
 
-def spec_valid(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split):
-    """The kernel's constraints, written out: K = 1 is always valid."""
-    if k == 1:
-        return True
-    group_bytes, row_bytes = (512 // k) * 16, head_dim * elem_bytes
-    if group_bytes < row_bytes or k > num_splits:
-        return False
-    if sm_count is not None and -(-rows // (group_bytes // row_bytes)) > 2 * sm_count:
-        return False
-    return max_split is None or k <= max_split
-
-
 # -- candidates -------------------------------------------------------------------------------
 
 def spec_dsplit(head_dim, elem_bytes, num_splits, max_split):
@@ -114,8 +102,9 @@ def test_candidates_are_the_valid_configs_of_every_family(head_dim, dtype, num_s
                     build_hash="b", head_dim=head_dim, partial_dtype=dtype, out_dtype="bfloat16",
                     stats_format="maxsum", num_splits=num_splits, rows=rows)
     everything = candidates(key, max_split=max_split, is_cuda=is_cuda, pruned=False)
-    expected = [kvsplit_config(k) for k in KV_SPLITS if spec_valid(
-        k, head_dim=head_dim, elem_bytes=ELEM_BYTES[dtype], rows=rows, num_splits=num_splits,
+    # The KvSplit Ks that the constraints allow (worked cases: tests/dispatch/test_constraints.py).
+    expected = [kvsplit_config(k) for k in valid_kv_splits(
+        head_dim=head_dim, elem_bytes=ELEM_BYTES[dtype], rows=rows, num_splits=num_splits,
         sm_count=sm_count if is_cuda else None, max_split=max_split)]
     if is_cuda:  # DSplit slices and Few threads are a GPU matter: the CPU tunes KvSplit only
         expected += spec_dsplit(head_dim, ELEM_BYTES[dtype], num_splits, max_split)

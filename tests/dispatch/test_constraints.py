@@ -1,9 +1,11 @@
-"""dispatch/constraints.py against the kernel's constraints, written out independently here.
+"""dispatch/constraints.py against worked cases, and the properties its halving must have.
 
-constrain() halves K until (a) K <= max_split, (b) a group of 512 / K threads,
-16 bytes each, holds a whole row, (c) on a GPU the CTA count fits 2 CTAs per
-SM (K = 1 always fits: its CTAs loop over slices), (d) K <= num_splits; it
-never goes below 1.
+constrain() halves K until (a) K <= max_split, (b) the kernel layer takes the
+config (a group of 512 / K threads, 16 bytes each, holds a whole row: the
+binding's check, whose own worked cases are in tests/test_config.py), (c) on a
+GPU the CTA count fits 2 CTAs per SM (K = 1 always fits: its CTAs loop over
+slices), (d) K <= num_splits; it never goes below 1. The expected answers are
+tables worked out by hand, not a second statement of the rules.
 """
 
 from __future__ import annotations
@@ -23,30 +25,6 @@ from kvsplit.dispatch.constraints import (DSPLIT, DSPLIT_DEPTHS, DSPLIT_KV_SPLIT
 SETTINGS = settings(max_examples=300, deadline=None, database=None)
 
 
-def spec_violations(k, *, head_dim, elem_bytes, rows, num_splits, sm_count, max_split):
-    """The kernel constraints that K breaks, by the names dispatch/ uses."""
-    group_bytes = (512 // k) * 16
-    row_bytes = head_dim * elem_bytes
-    broken = set()
-    if max_split is not None and k > max_split:
-        broken.add("max_split")
-    if group_bytes < row_bytes:
-        broken.add("group_holds_row")
-    elif sm_count is not None and k > 1:
-        rows_per_slice = group_bytes // row_bytes
-        if -(-rows // rows_per_slice) > 2 * sm_count:
-            broken.add("cta_budget")
-    if k > 1 and k > num_splits:
-        broken.add("num_splits")
-    return broken
-
-
-def spec_constrain(k_requested, **shape):
-    """The largest K in KV_SPLITS, at most the request, that breaks nothing; else 1."""
-    fitting = [k for k in KV_SPLITS if k <= k_requested and not spec_violations(k, **shape)]
-    return max(fitting, default=1)
-
-
 shapes = st.fixed_dictionaries({
     "head_dim": st.sampled_from([32, 64, 128, 256, 512, 1024]),
     "elem_bytes": st.sampled_from([2, 4]),
@@ -62,10 +40,8 @@ shapes = st.fixed_dictionaries({
 def test_constrain_is_the_largest_fitting_power_of_two(k_requested, shape):
     k = constrain(k_requested, **shape)
     assert k in KV_SPLITS and k <= k_requested
-    assert k == spec_constrain(k_requested, **shape)
     if k > 1:
         assert not violations(k, **shape)
-        assert not spec_violations(k, **shape)
     if shape["max_split"] is not None and shape["max_split"] >= 1:
         assert k <= shape["max_split"]
     if shape["num_splits"] >= 1:
@@ -76,11 +52,46 @@ def test_constrain_is_the_largest_fitting_power_of_two(k_requested, shape):
             assert violations(bigger, **shape)
 
 
+SM_H100 = 132  # H100 / H200 SXM
+
+# (K, shape): the constraints K breaks, worked out by hand. A KvSplit CTA covers
+# (512 / K) x 16 // (head_dim x element bytes) rows; the grid budget is 2 x SMs CTAs.
+VIOLATION_CASES = [
+    (16, dict(head_dim=512, elem_bytes=2, rows=1, num_splits=64, sm_count=None),
+     ["group_holds_row"]),  # 512 bytes a group, rows of 1024
+    (8, dict(head_dim=512, elem_bytes=2, rows=1, num_splits=64, sm_count=None), []),
+    (8, dict(head_dim=128, elem_bytes=2, rows=10**6, num_splits=64, sm_count=SM_H100),
+     ["cta_budget"]),  # 4 rows a CTA: 250000 CTAs > 264
+    (8, dict(head_dim=128, elem_bytes=2, rows=10**6, num_splits=64, sm_count=None), []),
+    (16, dict(head_dim=128, elem_bytes=2, rows=528, num_splits=64, sm_count=SM_H100),
+     []),  # 2 rows a CTA: 264 CTAs, the budget exactly
+    (16, dict(head_dim=128, elem_bytes=2, rows=529, num_splits=64, sm_count=SM_H100),
+     ["cta_budget"]),  # 265 CTAs
+    (4, dict(head_dim=64, elem_bytes=2, rows=8, num_splits=3, sm_count=None), ["num_splits"]),
+    (16, dict(head_dim=64, elem_bytes=2, rows=8, num_splits=64, sm_count=None, max_split=8),
+     ["max_split"]),
+    (16, dict(head_dim=1024, elem_bytes=2, rows=10**6, num_splits=4, sm_count=SM_H100,
+              max_split=2),
+     ["max_split", "group_holds_row", "num_splits"]),  # no CTA count without a group
+    (1, dict(head_dim=1024, elem_bytes=4, rows=10**6, num_splits=0, sm_count=1), []),
+    (2, dict(head_dim=1024, elem_bytes=4, rows=8, num_splits=1, sm_count=None),
+     ["num_splits"]),  # a group of 4096 bytes holds one float32 row of 1024
+    (4, dict(head_dim=1024, elem_bytes=4, rows=8, num_splits=8, sm_count=None),
+     ["group_holds_row"]),
+]
+
+
+@pytest.mark.parametrize("k, shape, broken", VIOLATION_CASES)
+def test_violations_worked_cases(k, shape, broken):
+    assert violations(k, **shape) == broken
+
+
 @SETTINGS
 @given(st.sampled_from(KV_SPLITS), shapes)
-def test_violations_names_exactly_the_broken_constraints(k, shape):
-    assert set(violations(k, **shape)) == spec_violations(k, **shape)
-    assert len(violations(k, **shape)) == len(set(violations(k, **shape)))
+def test_violations_names_each_broken_constraint_once(k, shape):
+    broken = violations(k, **shape)
+    assert len(broken) == len(set(broken))
+    assert set(broken) <= {"max_split", "group_holds_row", "cta_budget", "num_splits"}
 
 
 @SETTINGS
@@ -98,7 +109,7 @@ def test_constraints_are_monotone_in_k(shape):
 @given(shapes)
 def test_valid_kv_splits(shape):
     valid = valid_kv_splits(**shape)
-    assert valid == [k for k in KV_SPLITS if k == 1 or not spec_violations(k, **shape)]
+    assert valid == [k for k in KV_SPLITS if k == 1 or not violations(k, **shape)]
     assert valid[0] == 1 and valid == sorted(set(valid))
     assert constrain(KV_SPLITS[-1], **shape) == valid[-1]
 
@@ -114,16 +125,12 @@ def test_the_cpu_has_no_grid_budget(k, shape):
 @given(st.sampled_from(KV_SPLITS), st.sampled_from([64, 128, 256, 512]),
        st.sampled_from([2, 4]), st.integers(0, 100_000))
 def test_rows_per_cta_and_num_ctas(k, head_dim, elem_bytes, rows):
-    per_cta = rows_per_cta(k, head_dim, elem_bytes)
-    assert per_cta == (512 // k) * 16 // (head_dim * elem_bytes)
+    per_cta = rows_per_cta(k, head_dim, elem_bytes)  # worked cases: tests/test_config.py
     ctas = num_ctas(k, head_dim, elem_bytes, rows)
     if per_cta:
         assert (ctas - 1) * per_cta < rows <= ctas * per_cta or rows == ctas == 0
     else:
         assert ctas == 0
-
-
-SM_H100 = 132  # H100 / H200 SXM
 
 
 @pytest.mark.parametrize("request_k, shape, expected", [
@@ -189,7 +196,7 @@ def test_constrain_config_mends_dsplit_by_halving_or_falls_back(slices, k_reques
         assert config == KernelConfig.dsplit(slices, max(fitting), depth)
         assert not dsplit_violations(config, **rules)
     else:  # KvSplit of the same K (at most 16), constrained
-        assert config == kvsplit_config(spec_constrain(min(k_requested, 16), **shape))
+        assert config == kvsplit_config(constrain(min(k_requested, 16), **shape))
 
 
 @SETTINGS

@@ -86,7 +86,7 @@ def main() -> None:
                 if time.monotonic() - start > BUDGET_S:
                     break
                 launches = _launches(tokens, heads, head_dim, n)
-                for launch in launches.values():  # first use: tuning, plans
+                for launch in launches.values():  # first use: tuning, launches
                     launch(0)
                 torch.cuda.synchronize()
                 times = time_cuda_graphs(launches, batch=16, replays=11)

@@ -92,10 +92,10 @@ def bench_shape(head_dim, rows, num_splits, sm_count, l2_bytes, bandwidth, noop_
     configs = valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows, num_splits=num_splits,
                             sm_count=sm_count)
 
-    def launcher(sets, config):  # one plan: what an eager call of the layout pays per launch
-        plan = _kernel.Launch(config, merge.MAXSUM, *sets[0], None, merge._LN2,
-                            pdl=os.environ.get("KVSPLIT_PDL") == "1")
-        return lambda i: _kernel.run(plan, *sets[i % len(sets)], scale)
+    def launcher(sets, config):  # one launch: what an eager call of the layout pays per launch
+        made = _kernel.Launch(config, merge.MAXSUM, *sets[0], None, merge._LN2,
+                              pdl=os.environ.get("KVSPLIT_PDL") == "1")
+        return lambda i: _kernel.run(made, *sets[i % len(sets)], scale)
 
     def probe(sets):
         return lambda i: read_probe(*sets[i % len(sets)])

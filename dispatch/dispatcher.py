@@ -362,8 +362,8 @@ class Dispatcher:
 
         One query (the generation counter) when nothing changed. On a change,
         every cached choice whose stored winner changed (or that a new winner
-        now covers) is dropped, and so is every launch plan of
-        ``kvsplit.merge``: the next call of those shapes chooses again, once.
+        now covers) is dropped, and so is every launch of the launch table
+        (:attr:`launches`): the next call of those shapes chooses again, once.
         A store that fell back to memory after a database problem (or after
         its file was deleted) is left alone: the tables read before it keep
         serving. After the store reopened a file that replaced its own, every

@@ -195,7 +195,7 @@ class Extras(NamedTuple):
     indptr: Optional[torch.Tensor] = None
 
     def meta(self) -> tuple:
-        """What plans depend on (no addresses)."""
+        """What a layout's launch depends on (no addresses)."""
         return tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.device)
                      if isinstance(t, torch.Tensor) else (type(t), t) for t in self)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from clirun import invoke
 
-import kvsplit as library
+import kvsplit
 from kvsplit import _kernel
 from kvsplit.config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
 from kvsplit.autotune import tuner
@@ -49,7 +49,7 @@ def env(tmp_path, monkeypatch):
     dispatch_module.dispatcher.forget()
 
 
-def kvsplit(*args: str, catch: bool = False) -> SimpleNamespace:
+def run_command(*args: str, catch: bool = False) -> SimpleNamespace:
     """Invoke ``kvsplit ARGS``; stdout and stderr apart."""
     return invoke(main, *args, catch=catch)
 
@@ -73,7 +73,7 @@ def expected_device() -> str:
 
 
 def test_info_shows_build_hash_and_device(env):
-    result = kvsplit("info")
+    result = run_command("info")
     assert result.exit_code == 0, result.output
     # "name  value" lines, names padded to one width.
     lines = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1)
@@ -83,7 +83,7 @@ def test_info_shows_build_hash_and_device(env):
 
 
 def test_info_json(env):
-    result = kvsplit("info", "--json")
+    result = run_command("info", "--json")
     assert result.exit_code == 0, result.output
     facts = json.loads(result.stdout)
     assert facts["build hash"] == build_hash(False)
@@ -104,8 +104,8 @@ def test_info_json(env):
 def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
     """``kvsplit info`` (device, compiled architectures, database, mode)."""
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
-    text = kvsplit("info").stdout
-    facts = json.dumps(json.loads(kvsplit("info", "--json").stdout))
+    text = run_command("info").stdout
+    facts = json.dumps(json.loads(run_command("info", "--json").stdout))
     for shown in (text, facts):
         assert display_url(env.url) in shown or str(env.tmp_path / "tuning.sqlite") in shown
         assert "cached" in shown
@@ -121,7 +121,7 @@ def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
 ])
 def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, value, shown):
     monkeypatch.setenv(name, value)
-    result = kvsplit("info", "--json")
+    result = run_command("info", "--json")
     assert result.exit_code == 2, result.output
     facts = json.loads(result.stdout)
     assert facts[shown].startswith(f"invalid: {name} must be")
@@ -135,24 +135,24 @@ def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, val
 def test_demo_and_tune_with_an_invalid_setting_exit_2_without_a_traceback(env, monkeypatch, name,
                                                                          value, command):
     monkeypatch.setenv(name, value)
-    result = kvsplit(*command, catch=True)
+    result = run_command(*command, catch=True)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.exception
     assert f"Error: {name} must be" in result.stderr and "Traceback" not in result.output
 
 
 def test_info_says_what_is_wrong_with_the_database(env, tmp_path):
-    assert "not created yet" in kvsplit("info").stdout  # and it was not created:
+    assert "not created yet" in run_command("info").stdout  # and it was not created:
     assert not (tmp_path / "tuning.sqlite").exists()
     garbage = tmp_path / "garbage.sqlite"
     garbage.write_bytes(b"not sqlite" * 100)
-    result = kvsplit("info", "--db", str(garbage))
+    result = run_command("info", "--db", str(garbage))
     assert result.exit_code == 3 and "corrupt or not an SQLite database" in result.stdout
 
 
 # -- tune over a grid -------------------------------------------------------------------------
 
 def test_tune_grid_is_resumable_and_force_retunes(env):
-    first = kvsplit("tune", *GRID, "--json")
+    first = run_command("tune", *GRID, "--json")
     assert first.exit_code == 0, first.output
     summary = json.loads(first.stdout)
     assert (summary["keys"], summary["tuned"], summary["skipped"], summary["failed"]) == (4, 4, 0, 0)
@@ -165,18 +165,18 @@ def test_tune_grid_is_resumable_and_force_retunes(env):
     assert all(r.candidates and all(c.matched for c in r.candidates) for r in records)
     first_times = {r.key: r.updated_at for r in records}
 
-    again = json.loads(kvsplit("tune", *GRID, "--json").stdout)
+    again = json.loads(run_command("tune", *GRID, "--json").stdout)
     assert (again["keys"], again["tuned"], again["skipped"]) == (4, 0, 4)
     assert again["winners"] == {} and again["ms_per_tuned_key"] is None
     assert {r.key: r.updated_at for r in stored(env.url)} == first_times
 
-    forced = json.loads(kvsplit("tune", *GRID, "--force", "--json").stdout)
+    forced = json.loads(run_command("tune", *GRID, "--force", "--json").stdout)
     assert (forced["keys"], forced["tuned"], forced["skipped"]) == (4, 4, 0)
     assert all(r.updated_at > first_times[r.key] for r in stored(env.url))
 
 
 def test_tune_table_for_people(env):
-    result = kvsplit("tune", *GRID)
+    result = run_command("tune", *GRID)
     assert result.exit_code == 0, result.output
     for word in ("kvsplit tune", "keys", "tuned", "skipped", "winners", "speed-up over K=1"):
         assert word in result.stdout
@@ -193,7 +193,7 @@ def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
         return real(key, device, configs, **kwargs)
 
     monkeypatch.setattr(tuner, "tune", spy)
-    summary = json.loads(kvsplit("tune", "--devices", "cpu", "--head-dim", "64",
+    summary = json.loads(run_command("tune", "--devices", "cpu", "--head-dim", "64",
                                  "--num-splits", "7,8", "--rows", "3", "--json").stdout)
     assert (summary["keys"], summary["tuned"]) == (1, 1)
     assert [r.key for r in stored(env.url)] == [cpu_key(64, 8, 3)]
@@ -205,7 +205,7 @@ def test_tune_buckets_the_grid_like_the_dispatcher(env, monkeypatch):
 
     monkeypatch.setattr(tuner, "tune", forbidden)
     partial_o, stats = random_partials(7, 3, 64, generator=torch.Generator().manual_seed(0))
-    library.merge_maxsum(partial_o.bfloat16(), stats, 1.0)
+    kvsplit.merge_maxsum(partial_o.bfloat16(), stats, 1.0)
     decision = dispatch_module.dispatcher.explain(device_facts(torch.device("cpu")), 64,
                                                   torch.bfloat16, torch.bfloat16, 0, 7, 3)
     assert decision.source == "database"
@@ -248,7 +248,7 @@ def test_tune_spins_a_gpu_up_once_before_its_first_key(env, monkeypatch):
     (["--l2", "lukewarm"], "--l2"),
 ])
 def test_tune_rejects_bad_options_with_a_clear_message(env, args, message):
-    result = kvsplit("tune", "--devices", "cpu", *args)
+    result = run_command("tune", "--devices", "cpu", *args)
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
     assert stored(env.url) == []
@@ -257,7 +257,7 @@ def test_tune_rejects_bad_options_with_a_clear_message(env, args, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("devices", ["cuda", "0", "all", "0,1"])
 def test_tune_on_cuda_devices_without_cuda_says_so(env, devices):
-    result = kvsplit("tune", "--devices", devices)
+    result = run_command("tune", "--devices", devices)
     assert result.exit_code == 2
     assert "--devices" in result.output and "no CUDA device" in result.output
 
@@ -267,7 +267,7 @@ def test_tune_rejects_bad_devices_on_a_cuda_machine(env, monkeypatch, devices):
     # One visible GPU (only the option parsing is reached: every value here is bad).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    result = kvsplit("tune", "--devices", devices, catch=True)
+    result = run_command("tune", "--devices", devices, catch=True)
     assert result.exit_code == 2, f"exit {result.exit_code}: {result.exception!r}"
     assert "--devices" in result.output
 
@@ -275,7 +275,7 @@ def test_tune_rejects_bad_devices_on_a_cuda_machine(env, monkeypatch, devices):
 def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_path):
     not_a_db = tmp_path / "garbage.sqlite"
     not_a_db.write_bytes(b"definitely not sqlite" * 64)
-    result = kvsplit("tune", *GRID, "--db", f"sqlite:///{not_a_db}")
+    result = run_command("tune", *GRID, "--db", f"sqlite:///{not_a_db}")
     assert result.exit_code == 3 and "Traceback" not in result.output
     assert "garbage.sqlite" in result.output
 
@@ -283,21 +283,21 @@ def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_pat
 # -- tune as one worker of a fleet -----------------------------------------------------------
 
 def test_tune_status_shows_the_grids_progress_and_tunes_nothing(env, monkeypatch):
-    before = kvsplit("tune", *GRID, "--status", "--json")
+    before = run_command("tune", *GRID, "--status", "--json")
     assert before.exit_code == 0, before.output
     progress = json.loads(before.stdout)
     assert (progress["keys"], progress["done"], progress["claimed"], progress["failed"],
             progress["left"]) == (4, 0, 0, 0, 4)
-    assert kvsplit("tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8", "--rows", "4,8",
+    assert run_command("tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8", "--rows", "4,8",
                    "--json").exit_code == 0
 
     def forbidden(*args, **kwargs):
         raise AssertionError("--status tuned a key")
 
     monkeypatch.setattr(tuner, "tune", forbidden)
-    after = json.loads(kvsplit("tune", *GRID, "--status", "--json").stdout)
+    after = json.loads(run_command("tune", *GRID, "--status", "--json").stdout)
     assert (after["done"], after["left"], after["attempts"]) == (2, 2, 2)
-    text = kvsplit("tune", *GRID, "--status").stdout
+    text = run_command("tune", *GRID, "--status").stdout
     assert "4 keys: 2 done, 0 claimed, 0 failed, 2 left" in text
 
 
@@ -310,20 +310,20 @@ def test_db_progress_shows_every_registered_key_and_why_one_failed(env, monkeypa
         return real(key, *args, **kwargs)
 
     monkeypatch.setattr(tuner, "tune", failing)
-    assert kvsplit("tune", *GRID, "--json").exit_code == 1
+    assert run_command("tune", *GRID, "--json").exit_code == 1
     for args in (["db", "progress", "--db", env.url, "--json"], ["--db", env.url, "db", "progress", "--json"]):
-        result = kvsplit(*args)
+        result = run_command(*args)
         assert result.exit_code == 0, result.output
         progress = json.loads(result.stdout)
         assert (progress["keys"], progress["done"], progress["failed"], progress["left"]) == (4, 3, 1, 0)
         (failure,) = progress["failures"]
         assert failure["error"] == "RuntimeError: simulated launch failure"
         assert failure["owner"].endswith(f"/{os.getpid()}/cpu")
-    text = kvsplit("db", "progress").stdout
+    text = run_command("db", "progress").stdout
     assert "failed on" in text and "simulated launch failure" in text
     # A new run tries the failed key again (the failure was before it started).
     monkeypatch.setattr(tuner, "tune", real)
-    again = json.loads(kvsplit("tune", *GRID, "--json").stdout)
+    again = json.loads(run_command("tune", *GRID, "--json").stdout)
     assert (again["tuned"], again["skipped"], again["failed"]) == (1, 3, 0)
 
 
@@ -335,18 +335,18 @@ def test_tune_waits_for_a_live_claim_and_takes_it_over_once_its_lease_runs_out(e
         claims = Claims(store)
         held = claims.claim_next([key], "lost-host/4242/cuda:0", 1.0, run_started=claims.now()).claim
     assert held is not None
-    result = kvsplit("tune", *GRID, "--json", "--lease", "1")
+    result = run_command("tune", *GRID, "--json", "--lease", "1")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert (summary["keys"], summary["tuned"]) == (4, 4)
     assert summary["taken_over"] == [{"key": json.loads(key.model_dump_json()), "from": "lost-host/4242/cuda:0"}]
-    people = kvsplit("tune", *GRID, "--force", "--lease", "1")
+    people = run_command("tune", *GRID, "--force", "--lease", "1")
     assert "taken over" not in people.stdout  # nothing to take over this time
 
 
 @pytest.mark.parametrize("lease", ["0", "-1", "soon"])
 def test_tune_refuses_a_lease_too_short_to_renew(env, lease):
-    result = kvsplit("tune", *GRID, "--lease", lease)
+    result = run_command("tune", *GRID, "--lease", lease)
     assert result.exit_code == 2 and "--lease" in result.output
 
 
@@ -358,12 +358,12 @@ def test_tune_pending_tunes_the_pending_keys_and_clears_them(env):
         pending.add(key)
     pending.add(keys[0])  # met again: written once
     assert pending.load() == keys
-    summary = json.loads(kvsplit("tune", "--pending", "--devices", "cpu", "--json").stdout)
+    summary = json.loads(run_command("tune", "--pending", "--devices", "cpu", "--json").stdout)
     assert (summary["keys"], summary["tuned"], summary["failed"]) == (2, 2, 0)
     assert sorted((r.key for r in stored(env.url)), key=lambda k: k.head_dim) == keys
     assert pending.load() == []
 
-    nothing = json.loads(kvsplit("tune", "--pending", "--devices", "cpu", "--json").stdout)
+    nothing = json.loads(run_command("tune", "--pending", "--devices", "cpu", "--json").stdout)
     assert (nothing["keys"], nothing["tuned"]) == (0, 0)
 
 
@@ -371,7 +371,7 @@ def test_tune_pending_keeps_the_keys_that_failed(env):
     good, bad = cpu_key(64, 8, 4), cpu_key(100, 8, 4)  # 200 bytes: not whole 16-byte vectors
     pending.add(good)
     pending.add(bad)
-    result = kvsplit("tune", "--pending", "--devices", "cpu", "--json")
+    result = run_command("tune", "--pending", "--devices", "cpu", "--json")
     assert result.exit_code == 1
     summary = json.loads(result.stdout)
     assert (summary["tuned"], summary["failed"]) == (1, 1)
@@ -382,7 +382,7 @@ def test_tune_pending_keeps_the_keys_that_failed(env):
 
 def test_tune_summary_for_people_has_no_none_and_failed_keys_in_words(env):
     pending.add(cpu_key(100, 8, 4))  # 200 bytes: not whole 16-byte vectors
-    result = kvsplit("tune", "--pending", "--devices", "cpu")
+    result = run_command("tune", "--pending", "--devices", "cpu")
     assert result.exit_code == 1
     assert "None" not in result.stdout and "ms_per_tuned_key" in result.stdout
     failed = [line for line in result.stderr.splitlines() if line.startswith("failed")]
@@ -392,7 +392,7 @@ def test_tune_summary_for_people_has_no_none_and_failed_keys_in_words(env):
 
 def test_tune_takes_db_before_the_command_too(env, tmp_path):
     url = f"sqlite:///{tmp_path / 'elsewhere.sqlite'}"
-    result = kvsplit("--db", url, "tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8",
+    result = run_command("--db", url, "tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8",
                      "--rows", "4", "--json")
     assert result.exit_code == 0, result.output
     assert len(stored(url)) == 1 and not (tmp_path / "tuning.sqlite").exists()
@@ -403,7 +403,7 @@ def test_tune_pending_does_not_store_another_devices_key_measured_here(env):
     h200 = cpu_key(64, 8, 4).model_copy(update={"device": DeviceInfo(
         name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132)})
     pending.add(h200)
-    kvsplit("tune", "--pending", "--devices", "cpu", "--json")
+    run_command("tune", "--pending", "--devices", "cpu", "--json")
     with open_store(env.url) as store:
         assert store.get(h200) is None
 
@@ -439,6 +439,6 @@ def test_demo_tunes_once_then_a_new_process_reuses_the_stored_choice(env):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_demo_on_cuda_without_cuda_is_a_usage_error():
-    result = kvsplit("demo", "--device", "cuda")
+    result = run_command("demo", "--device", "cuda")
     assert result.exit_code == 2 and "torch sees no CUDA device" in result.stderr
     assert "internal error" not in result.output

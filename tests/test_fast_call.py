@@ -3,7 +3,7 @@
 A call with ``out`` given whose layout the Python path validated and launched
 once is served by the binding: these tests check that it computes the same
 merge (float64 reference on fresh data), that every call whose tensors
-changed in any way goes back through validation (same plan only for the same
+changed in any way goes back through validation (the same launch only for the same
 dtype, shape, strides, device, scalars and settings), and that the errors of
 bad inputs stay those of the Python path. ``fast_info()['hits']`` says which
 path served a call.
@@ -295,7 +295,7 @@ def test_the_binding_captures_into_a_cuda_graph(merge_kit, cuda_device):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        kvsplit.merge_lse(partial_o, lse, out=out)  # plan and registration outside the capture
+        kvsplit.merge_lse(partial_o, lse, out=out)  # launch and registration outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     before = hits()

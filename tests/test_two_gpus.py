@@ -82,7 +82,7 @@ def test_a_merge_captured_in_a_graph_on_cuda1_replays_on_new_values(mode, monkey
         out = torch.empty(o.shape[1:], dtype=torch.bfloat16, device="cuda:1")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (plans, allocations)
+        with torch.cuda.stream(side):  # warm-up outside the capture (launches, allocations)
             kvsplit.merge_lse(o1, lse1, base=2.0, out=out)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()

@@ -3,7 +3,7 @@
     python -P benchmarks/lab/first_use.py [--out DIR]
 
 For unseen shapes (fresh database): the wall time of the first ``merge_maxsum``
-call, and inside it the tuner's phases (scratch buffers, the plan and check
+call, and inside it the tuner's phases (scratch buffers, the launch and check
 run of every candidate, the timing of all of them in CUDA graphs, the store),
 measured by wrapping the tuner's functions. Each shape is run twice: after
 timing every valid config in graphs first (as benchmarks/bench_dispatch.py
@@ -53,13 +53,13 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
     args = parser.parse_args()
     tuner._Scratch.__init__ = timed("scratch", tuner._Scratch.__init__)
-    tuner._Scratch.plan = timed("plans", tuner._Scratch.plan)
+    tuner._Scratch.launch_of = timed("launches", tuner._Scratch.launch_of)
     tuner._measure = timed("measure (graphs)", tuner._measure)
     tuner.tune = timed("tune (all)", tuner.tune)
     timing.spin_up_gpu()
     g = torch.Generator().manual_seed(0)
     lines = ["| D / rows / N | sweep first | candidates | first call ms | "
-             "tune ms | scratch | plans | measure | rest of tune | outside tune |",
+             "tune ms | scratch | launches | measure | rest of tune | outside tune |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     record = []
     for sweep in (False, True):
@@ -82,15 +82,15 @@ def main() -> int:
             torch.cuda.synchronize()
             first = (time.perf_counter() - begin) * 1e3
             phases = dict(PHASES)
-            plans = phases.get("plans", 0.0)
+            launches = phases.get("launches", 0.0)
             rest = phases.get("tune (all)", 0.0) - sum(
-                phases.get(k, 0.0) for k in ("scratch", "plans", "measure (graphs)"))
+                phases.get(k, 0.0) for k in ("scratch", "launches", "measure (graphs)"))
             count = len(tuner.prune(valid_configs(head_dim=head_dim, elem_bytes=2, rows=rows_here,
                                                   num_splits=num_splits, sm_count=132),
                                     _key(head_dim, rows_here, num_splits)))
             line = (f"| {head_dim} / {rows_here} / {num_splits} | {'yes' if sweep else 'no'} | "
                     f"{count} | {first:.1f} | {phases.get('tune (all)', 0):.1f} | "
-                    f"{phases.get('scratch', 0):.1f} | {plans:.1f} | "
+                    f"{phases.get('scratch', 0):.1f} | {launches:.1f} | "
                     f"{phases.get('measure (graphs)', 0):.1f} | {rest:.1f} | "
                     f"{first - phases.get('tune (all)', 0):.1f} |")
             print(line, flush=True)

@@ -11,7 +11,7 @@
 - ``{"role": "serve", "ready": FILE, "shape": [D, N, ROWS], "timeout_s": S}``: a
   serving process (``KVSPLIT_MODE``, ``KVSPLIT_REFRESH_S`` and ``KVSPLIT_DB``
   from its environment) that merges one shape every 50 ms and prints one JSON
-  line per change of the config its launch plan holds, ``{"t": unix time,
+  line per change of the config its kept launch holds, ``{"t": unix time,
   "source": ..., "config": ..., "launches": ...}``, until the source is the
   database (or the timeout).
 """

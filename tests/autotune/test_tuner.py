@@ -319,11 +319,11 @@ def rigged(monkeypatch):
     corrupt: dict = {}
     real_run = tuner._Scratch.run
 
-    def run(self, plan, index=0):
-        out = real_run(self, plan, index)
-        state.last = plan.config.kv_split
-        if plan.config.kv_split in corrupt:
-            corrupt[plan.config.kv_split](out)
+    def run(self, launch, index=0):
+        out = real_run(self, launch, index)
+        state.last = launch.config.kv_split
+        if launch.config.kv_split in corrupt:
+            corrupt[launch.config.kv_split](out)
         return out
 
     def fake_clock(launch, **kwargs):
@@ -398,10 +398,10 @@ def raising(monkeypatch):
     state = SimpleNamespace(ks=set())
     real_run = tuner._Scratch.run
 
-    def run(self, plan, index=0):
-        if plan.config.kv_split in state.ks:
-            raise RuntimeError(f"launch failed for kv_split={plan.config.kv_split}")
-        return real_run(self, plan, index)
+    def run(self, launch, index=0):
+        if launch.config.kv_split in state.ks:
+            raise RuntimeError(f"launch failed for kv_split={launch.config.kv_split}")
+        return real_run(self, launch, index)
 
     monkeypatch.setattr(tuner._Scratch, "run", run)
     return state

@@ -218,7 +218,7 @@ ALLOCATIONS = {"merge_states": 2, "merge_state": 2, "merge_state_in_place": 0,
 @pytest.mark.parametrize("adapter", sorted(ALLOCATIONS))
 def test_adapters_copy_nothing(device, adapter):
     call = _calls(device)[adapter]
-    call()  # the layout's plan is built (and its config chosen) outside the recording
+    call()  # the layout's launch is made (and its config chosen) outside the recording
     with _Ops() as ops:
         call()
     copies = [n for n in ops.names if any(word in n for word in _COPIES)]

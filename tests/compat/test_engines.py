@@ -330,7 +330,7 @@ CALLS = sorted(_calls("cpu"))
 @pytest.mark.parametrize("adapter", CALLS)
 def test_adapters_copy_nothing(device, adapter):
     call, allocations = _calls(device)[adapter]
-    call()  # the layout's plan is built (and its config chosen) outside the recording
+    call()  # the layout's launch is made (and its config chosen) outside the recording
     with _Ops() as ops:
         call()
     # Floating-point data only: the variable-length call reads indptr on the host.
@@ -374,7 +374,7 @@ def test_adapters_replay_in_a_cuda_graph(cuda_device, adapter):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call()  # the plan is built outside the capture
+        call()  # the launch is made outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -2,7 +2,7 @@
 
 Another process is played by a store of its own on the same database; the
 dispatcher under test is the module's (through kvsplit.merge_maxsum, with
-its per-layout plans), so a refresh that forgot ``dispatcher.launches`` would
+its per-layout launches), so a refresh that forgot ``dispatcher.launches`` would
 keep launching the old config and fail here.
 """
 
@@ -28,7 +28,7 @@ def refresh_s(monkeypatch):
 
 
 @pytest.mark.usefixtures("no_tuning")
-def test_a_winner_stored_elsewhere_replaces_the_heuristic_and_the_cached_plan(monkeypatch, call, isolated,
+def test_a_winner_stored_elsewhere_replaces_the_heuristic_and_the_kept_launch(monkeypatch, call, isolated,
                                                                               keys, kernel_ks, refresh_s):
     monkeypatch.setenv("KVSPLIT_MODE", "cached")
     refresh_s(3600)  # the thread stays out of it: this test calls refresh() itself

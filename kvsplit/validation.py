@@ -273,3 +273,95 @@ def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dty
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 
+def _meta(tensor) -> tuple:
+    return (tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
+
+
+def _stack_view(name: str, parts) -> torch.Tensor:
+    """A (num_splits, ...) view of part 0 with split stride 0, standing for the parts in
+    validation (the real split stride is the parts' distance, known per call)."""
+    if not parts:
+        raise ValueError(f"{name} is an empty list: nothing to merge")
+    first = parts[0]
+    for i, part in enumerate(parts):
+        if not isinstance(part, torch.Tensor):
+            raise _type_error(f"{name}[{i}]", part)
+        if _meta(part) != _meta(first):
+            raise ValueError(f"{name}[{i}] must have the dtype, shape, strides and device of "
+                             f"{name}[0]")
+    return first.as_strided((len(parts),) + tuple(first.shape), (0,) + first.stride())
+
+
+def varlen_view(fmt, partial_o, stats, indptr):
+    """Variable-length states as a layout: ``partial_o`` (nnz, [heads,] head_dim) and
+    ``stats`` (nnz, [heads][, 2]) become (nnz, tokens, ...) views whose token stride is 0
+    (a row's states are found through ``indptr``, tokens = len(indptr) - 1)."""
+    if not isinstance(indptr, torch.Tensor):
+        raise _type_error("indptr", indptr)
+    if indptr.dtype not in _INDPTR_DTYPES or indptr.dim() != 1 or indptr.shape[0] < 1:
+        raise ValueError(f"indptr must be a 1-D int32 or int64 tensor of tokens + 1 offsets, got "
+                         f"{indptr.dtype} {tuple(indptr.shape)}")
+    for name, value in (("partial_o", partial_o), (_stats_name(fmt), stats)):
+        if not isinstance(value, torch.Tensor):
+            raise _type_error(name, value)
+    if partial_o.dim() not in (2, 3):
+        raise ValueError(f"with indptr, partial_o must be (nnz, head_dim) or (nnz, heads, "
+                         f"head_dim), got {partial_o.dim()}-D")
+    if indptr.device != partial_o.device:
+        raise ValueError(f"indptr is on {indptr.device} but partial_o is on {partial_o.device}")
+    if indptr.stride(0) != 1:
+        raise ValueError("indptr must be contiguous")
+    tokens = indptr.shape[0] - 1
+    nnz = partial_o.shape[0]
+    if not (indptr.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # On the host (a copy for CUDA tensors); in a graph capture the kernel clamps instead.
+        offsets = indptr.tolist()
+        if offsets[0] < 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError("indptr must be non-decreasing from 0 or more")
+        if offsets[-1] > nnz:
+            raise ValueError(f"indptr ends at {offsets[-1]}, past the {nnz} states of partial_o")
+
+    def view(t):
+        return t.as_strided((t.shape[0], tokens) + tuple(t.shape[1:]),
+                            (t.stride(0), 0) + tuple(t.stride()[1:]))
+
+    return view(partial_o), view(stats), max(1, round(nnz / max(tokens, 1)))
+
+
+def _check_parts(fmt, partial_o, stats, parts: int):
+    """Partials and stats held in ``parts`` tensors each (0: one stacked tensor each) as
+    stacked views for validation (:func:`_stack_view`)."""
+    if parts:
+        partial_o = _stack_view("partial_o", partial_o)
+        if not isinstance(stats, (list, tuple)) or len(stats) != parts:
+            raise ValueError(f"{_stats_name(fmt)} must be a list of {parts} tensors, "
+                             "one per part of partial_o")
+        stats = _stack_view(_stats_name(fmt), stats)
+    elif isinstance(stats, (list, tuple)):
+        raise _type_error(_stats_name(fmt), stats)
+    return partial_o, stats
+
+
+def _check_row_mask(row_mask, partial_o: torch.Tensor) -> int:
+    """A row mask's checks; returns its stride (1 when there is none)."""
+    if row_mask is None:
+        return 1
+    if not isinstance(row_mask, torch.Tensor):
+        raise _type_error("mask", row_mask)
+    tokens = math.prod(partial_o.shape[1:-2]) if partial_o.dim() > 3 else None
+    if row_mask.dtype not in (torch.bool, torch.uint8) or row_mask.dim() != 1 or (
+            tokens is not None and row_mask.shape[0] != tokens):
+        raise ValueError(f"mask must be a bool tensor of shape ({tokens},), got "
+                         f"{row_mask.dtype} {tuple(row_mask.shape)}")
+    if row_mask.device != partial_o.device:
+        raise ValueError(f"mask is on {row_mask.device} but partial_o is on "
+                         f"{partial_o.device}")
+    return row_mask.stride(0)
+
+
+def _check_in_place(parts: int, partial_o, stats, out, out_stats) -> None:
+    """An in-place export writes ``out`` and ``out_stats`` over part 0 of the parts."""
+    if not (parts and out is not None and out_stats is not None
+            and _meta(out) == _meta(partial_o[0]) and _meta(out_stats) == _meta(stats[0])):
+        raise ValueError("an in-place merge writes out and out_lse over part 0, which they "
+                         "must match in dtype, shape and strides")

@@ -1,5 +1,4 @@
-"""Merges of a few states (N = 2, 4, 8, 16) next to the engines' designs and the read probe
-(issue 30).
+"""Merges of a few states (N = 2, 4, 8, 16) next to the engines' designs and the read probe.
 
 Run on a GPU machine:  python -P benchmarks/bench_few.py [--out DIR] [--quick]
 (benchmarks/gpu_check.sh stage ``bench_few``), then ``python benchmarks/report.py DIR``.

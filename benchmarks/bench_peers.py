@@ -1,4 +1,4 @@
-"""kvsplit next to its peers and the read probe on the 35-shape grid (issue 14).
+"""kvsplit next to its peers and the read probe on the 35-shape grid.
 
 Run on a GPU machine:  python -P benchmarks/bench_peers.py [--out DIR]
 then  python benchmarks/report.py DIR  for the tables (also printed at the end).

@@ -55,7 +55,7 @@ for stage in "${stages[@]}"; do
         2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench_few)
-      # Issue 30: N = 2, 4, 8, 16 next to the engines' designs and the read probe (each key
+      # Few states: N = 2, 4, 8, 16 next to the engines' designs and the read probe (each key
       # tuned into $KVSPLIT_DB first; its table is also in report.md).
       python3 -P benchmarks/bench_few.py --out "$OUT" ${BENCH_FEW_ARGS:-} 2>&1 | tee -a "$LOG" | tail -90
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

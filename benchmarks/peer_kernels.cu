@@ -1,5 +1,5 @@
 // Peer merges of attention states that kvsplit's Few family is measured against
-// (issue 30), written here from the math and from the designs the engines'
+// (N = 2 to 16), written here from the math and from the designs the engines'
 // public headers describe, not copied: compiled by benchmarks/peers_cuda.py with
 // nvcc into a shared library of its own (never the product's extension), called
 // through ctypes with raw pointers. bf16 or fp16 states and outputs, float32 LSE.

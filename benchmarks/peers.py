@@ -1,4 +1,4 @@
-"""Peer merges that kvsplit is measured against (issue 14): plain designs, not kvsplit's.
+"""Peer merges that kvsplit is measured against: plain designs, not kvsplit's.
 
 * :func:`triton_merge` -- a serial Triton merge: one program per row, the
   head dim as one vector (BLOCK_D = head_dim), the row's N splits walked in a

@@ -1,4 +1,4 @@
-"""The CUDA peer merges of benchmarks/peer_kernels.cu (issue 30), built and called from Python.
+"""The CUDA peer merges of benchmarks/peer_kernels.cu, built and called from Python.
 
 * :func:`two_state_vllm` -- vLLM's merge_attn_states design: one thread per 16 bytes
   of a (token, head) row, both LSEs (natural log, +inf empty) read per thread.

@@ -13,10 +13,10 @@ import pathlib
 import statistics
 import sys
 
-# Issue 2: the seed's design on an H200, (K=1, best K).
+# The seed design's figures on an H200, (K=1, best K).
 REFERENCE = {(512, 64, 132): (20.4, 5.3), (512, 64, 16): (3.7, 2.5),
              (128, 32, 264): (38.8, 5.8), (512, 2048, 132): (65.6, 65.6)}
-# Issue 5: (seed design best K, read probe, a widely used peer), us.
+# (seed design best K, read probe, a widely used peer) as first measured, us.
 PEERS = {(512, 64, 16): (2.47, 1.40, 2.32), (512, 64, 132): (5.29, 2.32, 7.27),
          (512, 64, 264): (8.37, 3.31, 12.79), (128, 32, 16): (2.38, 1.31, 1.99),
          (128, 32, 264): (5.22, 1.49, 6.21), (128, 256, 132): (4.66, 2.38, 4.82),
@@ -148,7 +148,7 @@ def _ratio_summary(name: str, ratios: list, over: float) -> str:
 
 
 def peers_section(data: dict) -> str:
-    """Issue 14's table: kvsplit auto and best next to the read probe and the peers."""
+    """The peers table: kvsplit auto and best next to the read probe and the peers."""
     results = data["results"]
     lines = [f"{data['gpu']}, {data['date']}: copy {data['copy_bytes_per_us'] / 1e6:.2f} TB/s, "
              f"empty launch {data['noop_us']:.2f} us; torch.compile mode "
@@ -202,7 +202,7 @@ FEW_PEERS = {"vllm": "vLLM", "fi2": "FI 2-state", "fiN": "FI N-state", "triton":
 
 
 def few_section(data: dict) -> str:
-    """Issue 30's table: few states, kvsplit auto next to the read probe and each peer."""
+    """The few-states table: kvsplit auto next to the read probe and each peer."""
     results = data["results"]
     lines = [f"{data['gpu']}, {data['date']}: copy {data['copy_bytes_per_us'] / 1e6:.2f} TB/s, "
              f"empty launch {data['noop_us']:.2f} us; torch {data.get('torch')}"
@@ -220,7 +220,7 @@ def few_section(data: dict) -> str:
         label = f"{shape} N={r['num_splits']}"
         auto, read = t["auto"], t["read"]
         read_ratios.append((auto / read, label))
-        # Issue 30's floor: 1.1 x read above 4 MB, read + 0.4 us below.
+        # The few-states floor: 1.1 x read above 4 MB, read + 0.4 us below.
         if auto > (1.1 * read if r["bytes"] > 4e6 else read + 0.4):
             floor_misses.append(label)
         peers_here = {k: t[k] for k in FEW_PEERS if k in t}

@@ -1,4 +1,4 @@
-"""What a first-use tuning costs, phase by phase (a diagnostic for issue 14's 50 ms budget).
+"""What a first-use tuning costs, phase by phase (a diagnostic for the 50 ms first-use budget).
 
     python -P benchmarks/lab/first_use.py [--out DIR]
 

@@ -8,7 +8,7 @@ import json
 from clirun import invoke
 from dbtestlib import make_record
 from kvsplit.db import CandidateResult, KernelConfig, dump_export, make_export, open_store, read_export
-from kvsplit.db.cli import db
+from kvsplit.cli.db import db
 
 FEW = KernelConfig.few(2)
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kvsplit/host_device.h"
+#include "kvsplit/knobs.h"
 
 namespace kvsplit {
 
@@ -14,34 +15,11 @@ constexpr int kDsplitMaxLanes = 32;  // of one warp
 constexpr int kDsplitMinThreads = 32;
 constexpr int kDsplitMaxThreads = 512;
 // Items of one warp (lanes * kv_split = 32) run this many to a CTA, one per
-// warp, and twice as many in a call of kDsplitWideItems items or more (knobs
-// for benchmarks/lab; the defaults are the product; 0 wide items: never).
-// Measured on an H200 with the lean kernel: 8 to a CTA took 0.96-0.99x of
-// the time of 4 at calls of 1024-4096 one-warp items and 1.00-1.08x at
-// 64-512 (benchmarks/lab/lab_dsplit.py, docs/kernel-notes.md).
-#ifndef KVSPLIT_DSPLIT_ITEMS_PER_CTA
-#define KVSPLIT_DSPLIT_ITEMS_PER_CTA 4
-#endif
-#ifndef KVSPLIT_DSPLIT_WIDE_ITEMS
-#define KVSPLIT_DSPLIT_WIDE_ITEMS 1024
-#endif
+// warp, and twice as many in a call of kDsplitWideItems items or more.
 constexpr int kDsplitItemsPerCta = KVSPLIT_DSPLIT_ITEMS_PER_CTA;
 constexpr int64_t kDsplitWideItems = KVSPLIT_DSPLIT_WIDE_ITEMS;
-// Bytes of a row each lane loads per partial (a benchmarks/lab knob: 16, 8 or 4).
-#ifndef KVSPLIT_DSPLIT_LANE_BYTES
-#define KVSPLIT_DSPLIT_LANE_BYTES 16
-#endif
+// Bytes of a row each lane loads per partial.
 constexpr int kDsplitLaneBytes = KVSPLIT_DSPLIT_LANE_BYTES;
-// The plain kernel's element offsets in 32 bits (a benchmarks/lab knob: 0 keeps 64).
-#ifndef KVSPLIT_DSPLIT_INDEX32
-#define KVSPLIT_DSPLIT_INDEX32 1
-#endif
-// The plain kernel's stats into the merge as loaded, scaled there (a benchmarks/lab
-// knob: 0 scales and tests each stat against the empty-split sentinel, as the
-// general kernel does).
-#ifndef KVSPLIT_DSPLIT_RAW_STATS
-#define KVSPLIT_DSPLIT_RAW_STATS 1
-#endif
 
 // log2 of a power of two, -1 for anything else.
 KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {

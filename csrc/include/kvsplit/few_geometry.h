@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kvsplit/host_device.h"
+#include "kvsplit/knobs.h"
 
 namespace kvsplit {
 
@@ -45,21 +46,11 @@ KVSPLIT_HOST_DEVICE constexpr int few_depth(int64_t num_splits, int vectors) {
 // Threads per CTA: the smallest power of two from the minimum that puts
 // every SM's share of the call's threads in one CTA, up to the maximum (so
 // that one token's few rows still spread over many SMs, and large calls run
-// CTAs of the maximum). Knobs for a lab build; the defaults are the product.
-#ifndef KVSPLIT_FEW_MIN_CTA_THREADS
-#define KVSPLIT_FEW_MIN_CTA_THREADS 32
-#endif
-#ifndef KVSPLIT_FEW_MAX_CTA_THREADS
-#define KVSPLIT_FEW_MAX_CTA_THREADS 256
-#endif
+// CTAs of the maximum).
 constexpr int kFewMinCtaThreads = KVSPLIT_FEW_MIN_CTA_THREADS;
 constexpr int kFewMaxCtaThreads = KVSPLIT_FEW_MAX_CTA_THREADS;
-// The launch bounds' minimum of CTAs per SM: 1 lets a kernel take the
-// registers to issue a whole round's loads back to back (56-148 a thread);
-// more trades them for resident threads (a lab knob, not yet measured).
-#ifndef KVSPLIT_FEW_MIN_CTAS
-#define KVSPLIT_FEW_MIN_CTAS 1
-#endif
+// The launch bounds' minimum of CTAs per SM (KVSPLIT_FEW_MIN_CTAS, 1) lets a
+// kernel take the registers to issue a whole round's loads back to back.
 // The most threads one pass of the grid runs; a larger call loops over passes
 // (thread indices stay below 2^31 for FastDivmod).
 constexpr int64_t kFewMaxGridThreads = int64_t{1} << 30;

@@ -13,8 +13,7 @@
 // them with all 32 lanes, then shuffles again. Every item reads its row's
 // stats itself. An item of one warp needs no shared memory and no barrier,
 // so a CTA runs 4 of them side by side, one per warp, or 8 in calls of 1024
-// such items or more (dsplit_geometry.h; measured on an H200: 4 per CTA was
-// 0.2-0.3 us faster than 1 at decode shapes, benchmarks/lab/lab_dsplit.py).
+// such items or more (dsplit_geometry.h).
 //
 // Geometry is a runtime argument (all powers of two), so one kernel per
 // (dtypes, stats format, depth) serves every (slices, kv_split): the tuner's
@@ -35,17 +34,11 @@
 namespace kvsplit {
 
 // Registers. Bounded by 512 threads alone, ptxas keeps every DSplit kernel
-// to 64 registers a thread, and the 8- and 16-deep kernels then issue a
-// round's loads a few at a time between the math of the earlier ones. With a
-// minimum of one CTA per SM (up to 128 registers) they issue a whole round
-// back to back: 90 and 128 registers (sm_90a, bf16 LSE plain kernels), 2-8 %
-// less time at decode shapes (benchmarks/lab/lab_dsplit.py, docs/kernel-notes.md).
-// The 4-deep kernel keeps no minimum: at 72 registers the 4096 one-warp
-// items of 2048 rows of D = 512 no longer fit in one wave. Kernels of this
-// depth or more get the minimum (a benchmarks/lab knob: 4 every kernel, 32 none).
-#ifndef KVSPLIT_DSPLIT_ROOMY_DEPTH
-#define KVSPLIT_DSPLIT_ROOMY_DEPTH 8
-#endif
+// to 64 registers a thread, and the deep kernels then issue a round's loads a
+// few at a time between the math of the earlier ones. With a minimum of one
+// CTA per SM (up to 128 registers) they issue a whole round back to back.
+// Plain kernels from KVSPLIT_DSPLIT_ROOMY_DEPTH deep get that minimum; the
+// 4-deep one keeps none, so that large calls still fit in one wave.
 // The general (not plain) kernel gets it at every depth: its row lookups
 // (masks, split counts, indptr, pass-through rows) spill at 64 registers.
 template <int kDepth, bool kPlain>

@@ -13,6 +13,7 @@
 
 #include "kvsplit/device_common.cuh"
 #include "kvsplit/dispatch.h"
+#include "kvsplit/knobs.h"
 #include "kvsplit/merge_math.h"
 #include "kvsplit/params.h"
 
@@ -21,21 +22,6 @@ namespace kvsplit {
 constexpr int kThreadsPerCta = kKvSplitThreadsPerCta;
 constexpr int kCtasPerSm = kKvSplitCtasPerSm;
 
-// Knobs for benchmarks/lab, which compiles variants side by side; the
-// defaults are the product. Measured there on an H200 and dropped: a
-// one-batch register prefetch (no faster at small shapes; spilled under the
-// 64-register cap), one 8-byte load per (max, sum) pair (3-13 % slower at
-// K = 1 than two 4-byte loads), clamping padded slots by pointer select
-// (more registers, spills at K = 1), issuing the stats loads before the
-// partials' (no change), and load hints for the partials (L2::256B prefetch
-// with L1::no_allocate: 5-30 % slower at large row counts; evict-first
-// streaming loads: no change).
-#ifndef KVSPLIT_LOAD_UNROLL
-#define KVSPLIT_LOAD_UNROLL 4
-#endif
-#ifndef KVSPLIT_MIN_CTAS
-#define KVSPLIT_MIN_CTAS kCtasPerSm
-#endif
 constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
 
 // One band of rows per CTA iteration: each group of 512 / K threads holds

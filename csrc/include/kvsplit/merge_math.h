@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "kvsplit/host_device.h"
+#include "kvsplit/knobs.h"
 
 namespace kvsplit {
 
@@ -20,13 +21,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFloatMinNormal = 1.17549435e-38f;
 constexpr float kFastDivideLimit = 8.50705917e37f;  // 2^126
 
-#ifndef KVSPLIT_LEAN_MATH
-#define KVSPLIT_LEAN_MATH 1
-#endif
-// combine() without a test for an empty state (a benchmarks/lab knob: 0 skips it).
-#ifndef KVSPLIT_LEAN_COMBINE
-#define KVSPLIT_LEAN_COMBINE 1
-#endif
 
 KVSPLIT_HD float neg_inf() { return -INFINITY; }
 

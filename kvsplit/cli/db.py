@@ -6,7 +6,6 @@ The lead attaches :data:`db` to the main group with ``main.add_command(db)``.
 from __future__ import annotations
 
 import re
-import typing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,11 @@ import click
 
 from .kit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
                       db_url, storing_db_url)
+from ..config import OUT_DTYPES, PARTIAL_DTYPES, SCATTERED, STATS_FORMAT_CODES
 from ..terminal import printable
 from ..db.claims import Claims
 from ..db.connect import open_store, open_store_for_repair
 from ..db.errors import InvalidExportError
-from ..db.schemas import Dtype, OutDtype, StatsFormat
 from .render import (
     console,
     records_table,
@@ -79,15 +78,19 @@ def _bucketed(filters: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: A key's stats formats: each of the kernels', alone and with the scattered layout's suffix.
+_STATS_FORMATS = [*STATS_FORMAT_CODES, *(name + SCATTERED for name in STATS_FORMAT_CODES)]
+
+
 def _filters(function: Any) -> Any:
     """The filters shared by list, show, export and plot."""
     options = [
         click.option("--device", help="Part of the device name, any case (e.g. h200)."),
         click.option("--build", "build_hash", help="Kernel build hash."),
         click.option("--head-dim", type=int, help="Head dimension D."),
-        click.option("--dtype", type=click.Choice(typing.get_args(Dtype)), help="Dtype of the partials."),
-        click.option("--out-dtype", type=click.Choice(typing.get_args(OutDtype)), help="Output dtype."),
-        click.option("--stats-format", type=click.Choice(typing.get_args(StatsFormat)),
+        click.option("--dtype", type=click.Choice(PARTIAL_DTYPES), help="Dtype of the partials."),
+        click.option("--out-dtype", type=click.Choice(OUT_DTYPES), help="Output dtype."),
+        click.option("--stats-format", type=click.Choice(_STATS_FORMATS),
                      help="Stats format of the key (':scattered': stats of adjacent rows apart)."),
         click.option(
             "--num-splits", type=click.IntRange(min=1), help="Number of partials N (also finds its bucket's key)."
@@ -402,8 +405,12 @@ def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
     One row of two heat maps (num_splits x rows) per device, build, head dim,
     dtypes and stats format.
     """
-    from .plot import FORMATS, MAX_GROUPS, plot_records
+    from .plot import FORMATS, MAX_GROUPS, matplotlib, plot_records
 
+    try:
+        matplotlib()
+    except ImportError as exc:
+        raise InvalidInput(str(exc)) from None
     if out_path.suffix.lower() not in FORMATS:
         raise InvalidInput(f"--out {printable(out_path)}: name a {', '.join(FORMATS)} file (the "
                            "suffix is the format written)")

@@ -210,6 +210,21 @@ def test_plot_refuses_a_name_it_cannot_honour(filled, tmp_path):
     assert not (tmp_path / "p.jpg").exists()
 
 
+def test_plot_without_matplotlib_names_the_extra_and_exits_2(filled, tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as when not installed
+    out = tmp_path / "p.png"
+    result = run("--db", filled, "plot", "--out", str(out))
+    assert result.exit_code == 2 and not out.exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install 'kvsplit[plot]'" in lines[0]
+
+
+def test_list_filters_take_every_stats_format_a_key_can_have(filled):
+    for stats_format in ("maxsum", "lse", "maxsum:scattered", "lse:scattered"):
+        assert run("--db", filled, "list", "--stats-format", stats_format).exit_code == 0
+
+
 def test_plot_panels_share_one_colour_scale(filled, tmp_path, monkeypatch):
     """Every group's speed-up panel maps the same value to the same colour."""
     from matplotlib.axes import Axes

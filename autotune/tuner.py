@@ -26,7 +26,7 @@ import torch
 from .. import _kernel
 from ..config import BASELINE, DTYPE_CODES, STATS_FORMAT_CODES, KernelConfig, split_stats_format
 from ..db import CandidateResult, TuningPolicy, TuningRecord
-from ..db.transfer import tool_version
+from ..db.schemas import tool_version
 from ..reference import random_partials
 from .timing import Timing, time_cuda_graphs, time_host
 

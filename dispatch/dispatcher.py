@@ -40,7 +40,7 @@ import torch
 from ..autotune import tuner
 from ..config import KernelConfig, build_hash
 from .. import db as _db
-from ..db import read_export
+from ..export import read_export
 from . import pending as pending_keys
 from .refresh import Refresher, refresh_interval
 from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, KV_SPLITS,
@@ -363,7 +363,8 @@ class Dispatcher:
             if self._store is None or self._store_url != db_url:
                 # A short busy timeout: a serving process must not stall for
                 # long behind another process's write lock.
-                self._store = _db.open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
+                self._store = _db.open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S,
+                                                         config_type=KernelConfig)
                 self._store_url = db_url
                 self._store_in_memory = self._store.in_memory
                 self._store_reopened = self._store.reopened

@@ -28,3 +28,20 @@ def test_the_first_merge_opens_the_store(tmp_path):
                           "kvsplit.merge_lse(torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 4))",
                           tmp_path / "tuning.sqlite")
     assert "sqlalchemy" in loaded
+
+
+def test_the_store_knows_nothing_of_the_kernel_extension(tmp_path):
+    """Every module of kvsplit.db, used to read and write a store, loads no extension and no layer above."""
+    probe = ("import pkgutil, sys, importlib, kvsplit.db as db\n"
+             "for m in pkgutil.iter_modules(db.__path__):\n"
+             "    importlib.import_module('kvsplit.db.' + m.name)\n"
+             "store = db.open_store('sqlite://')\n"
+             "store.query(); store.stats(); store.repair(dry_run=True)\n"
+             "print(' '.join(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, check=True,
+                            timeout=120, env={**os.environ, "KVSPLIT_DB": str(tmp_path / "t.sqlite")})
+    loaded = set(result.stdout.split())
+    assert "sqlalchemy" in loaded and "kvsplit.db.store" in loaded
+    above = {"torch", "kvsplit._ext", "kvsplit.config", "kvsplit.installed", "kvsplit.dispatch", "kvsplit.autotune",
+             "kvsplit.cli", "kvsplit.export", "matplotlib"}
+    assert not above & loaded

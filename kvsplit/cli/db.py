@@ -14,11 +14,10 @@ import click
 
 from .kit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
                       db_url, storing_db_url)
-from ..config import OUT_DTYPES, PARTIAL_DTYPES, SCATTERED, STATS_FORMAT_CODES
+from ..config import OUT_DTYPES, PARTIAL_DTYPES, SCATTERED, STATS_FORMAT_CODES, KernelConfig
 from ..terminal import printable
 from ..db.claims import Claims
 from ..db.connect import open_store, open_store_for_repair
-from ..db.errors import InvalidExportError
 from .render import (
     console,
     records_table,
@@ -31,7 +30,7 @@ from .render import (
     to_json,
 )
 from ..db.store import Store
-from ..db.transfer import dump_export, parse_export, read_export_file
+from ..export import InvalidExportError, dump_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 
@@ -59,7 +58,7 @@ def _open(ctx: click.Context, *, create: bool = False, stores: bool = False) -> 
 
     ``stores``: the command writes, so an in-memory database is refused (exit 2).
     """
-    store = open_store(storing_db_url(ctx) if stores else db_url(ctx), create=create)
+    store = open_store(storing_db_url(ctx) if stores else db_url(ctx), create=create, config_type=KernelConfig)
     ctx.call_on_close(store.close)
     store.check()
     return store
@@ -372,7 +371,8 @@ def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_j
     this kvsplit's schema, and missing tables are created. Never creates a
     database; a newer schema is left alone (exit 3).
     """
-    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run)
+    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run,
+                                                    config_type=KernelConfig)
     ctx.call_on_close(store.close)
     try:
         result = store.repair(quarantine_path, dry_run=dry_run)

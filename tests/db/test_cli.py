@@ -12,7 +12,8 @@ import pytest
 import sqlalchemy as sa
 from clirun import invoke
 from dbtestlib import A100, make_record
-from kvsplit.db import dump_export, make_export, open_store
+from kvsplit.db import open_store
+from kvsplit.export import dump_export, make_export
 from kvsplit.cli.db import db
 from kvsplit.db.engine import create_db_engine
 from kvsplit.db.migrate import VERSION_TABLE
@@ -333,7 +334,7 @@ def test_prune_stale_builds_keeps_the_installed_build_by_default(filled):
 def test_list_shows_every_winner_whole_on_one_line(width):
     from rich.console import Console
 
-    from kvsplit.db import KernelConfig
+    from kvsplit.config import KernelConfig
     from kvsplit.cli.render import records_table
 
     records = [

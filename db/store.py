@@ -164,15 +164,11 @@ class Store:
     def transaction(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         """Run ``work(session)`` in one transaction, as every operation of the store does.
 
-        For the other modules of ``db/`` (the fleet's claims): database errors
-        become :class:`StoreError` (or, with ``fallback``, a warning and
-        memory); a write that meets a unique-key race is retried.  ``bump``
-        also advances the generation counter in the same transaction (a write
-        of results).
+        Database errors become :class:`StoreError` (or, with ``fallback``, a
+        warning and memory); a write that meets a unique-key race is retried.
+        ``bump`` also advances the generation counter in the same transaction
+        (a write of results).
         """
-        return self._run(work, write=write, bump=bump)
-
-    def _run(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         attempt = 0
         while True:
             if self._watch is not None:
@@ -259,7 +255,7 @@ class Store:
         return engine, None
 
     def _read(self, work: Callable[[Session], tuple[T, list[Damage]]]) -> T:
-        value, damage = self._run(work, write=False)
+        value, damage = self.transaction(work, write=False)
         self._report(damage)
         return value
 
@@ -298,7 +294,7 @@ class Store:
             for record in records:
                 write_record(session, record, find_for_write(session, record.key), now)
 
-        self._run(work, write=True, bump=True)
+        self.transaction(work, write=True, bump=True)
 
     # -- reads --------------------------------------------------------------
 
@@ -420,13 +416,13 @@ class Store:
         prune), here or in any other process: one primary-key lookup tells a
         process whether its cached winners are still current.
         """
-        return self._run(read_generation, write=False)
+        return self.transaction(read_generation, write=False)
 
     # -- damage -------------------------------------------------------------
 
     def damage(self) -> list[Damage]:
         """Every row that does not parse, and every row that cannot stand without one (never raises for them)."""
-        return self._run(lambda session: scan(session).damage, write=False)
+        return self.transaction(lambda session: scan(session).damage, write=False)
 
     def check(self) -> None:
         """Raise :class:`DamagedRows` if any row does not parse, whatever ``on_damage`` says."""
@@ -452,7 +448,7 @@ class Store:
             default = default_quarantine_path(self._target.path if self._target is not None else None)
             return repairing.quarantine(session, self.url, default, quarantine, dry_run=dry_run)
 
-        return self._run(work, write=not dry_run, bump=not dry_run)
+        return self.transaction(work, write=not dry_run, bump=not dry_run)
 
     # -- pruning ------------------------------------------------------------
 
@@ -502,7 +498,7 @@ class Store:
                 raise DamagedRows(self.url, damage)  # before the transaction commits: nothing deleted
             return PruneResult(keys=keys, dry_run=dry_run), damage
 
-        value, damage = self._run(work, write=not dry_run, bump=not dry_run)
+        value, damage = self.transaction(work, write=not dry_run, bump=not dry_run)
         self._report(damage)
         return value
 
@@ -552,7 +548,7 @@ class Store:
             counts = merge_records(session, records, rule=rule, dry_run=dry_run, now=_now())
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
-        return self._run(work, write=not dry_run, bump=not dry_run)
+        return self.transaction(work, write=not dry_run, bump=not dry_run)
 
 
 def _span(records: list[TuningRecord]) -> tuple[datetime | None, datetime | None]:

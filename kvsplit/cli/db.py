@@ -6,6 +6,7 @@ The lead attaches :data:`db` to the main group with ``main.add_command(db)``.
 from __future__ import annotations
 
 import re
+import typing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from .render import (
     show_stats,
     to_json,
 )
+from ..db.schemas import ImportRule
 from ..db.store import Store
 from ..export import InvalidExportError, dump_export, parse_export, read_export_file
 
@@ -225,7 +227,7 @@ def _read_export(file: str) -> bytes:
 @click.argument("file", type=click.Path(allow_dash=True, path_type=str))
 @click.option(
     "--rule",
-    type=click.Choice(["newer", "replace", "keep"]),
+    type=click.Choice(typing.get_args(ImportRule)),
     default="newer",
     show_default=True,
     help="For a key already stored: newer = take the import only if its updated_at is later "

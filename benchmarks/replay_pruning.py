@@ -22,7 +22,7 @@ import statistics
 import sys
 
 from kvsplit.autotune.tuner import prune
-from kvsplit.db.transfer import read_export
+from kvsplit.export import read_export
 from kvsplit.dispatch.constraints import configs_for_key
 
 TABLES = pathlib.Path(__file__).resolve().parents[1] / "kvsplit" / "tables"

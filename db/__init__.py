@@ -3,6 +3,9 @@
 Results of tuning (which config won for which key, and how every candidate
 measured) in any SQLAlchemy database; SQLite in the user cache directory by
 default.  Everything returned is a pydantic model; ORM rows stay inside.
+Configs are plain data (:class:`Config`); the store never loads the kernel
+extension, and a caller that knows the kernel layer's vocabulary passes its
+config type (``config_type=kvsplit.config.KernelConfig``).
 
 Typical use::
 
@@ -13,38 +16,18 @@ Typical use::
 
 import importlib
 
-from ..config import FAMILIES, KernelConfig
-from ..config import check_params as check_config
-from .errors import DamagedRows, DbWarning, InvalidExportError, NoDatabase, SchemaDamaged, SchemaTooNew, StoreError
-from .schemas import (
-    BASELINE,
-    BuildStats,
-    CandidateResult,
-    ChoiceKey,
-    ClaimInfo,
-    DeviceInfo,
-    DeviceStats,
-    ExportFile,
-    ImportSummary,
-    KernelBuildInfo,
-    Progress,
-    PruneResult,
-    RepairResult,
-    StoreStats,
-    TuningKey,
-    TuningPolicy,
-    TuningRecord,
-    WorkerProgress,
-)
-from .transfer import dump_export, make_export, parse_export, read_export
+from .errors import DamagedRows, DbWarning, NoDatabase, SchemaDamaged, SchemaTooNew, StoreError
+from .schemas import (BASELINE, BuildStats, CandidateResult, ChoiceKey, ClaimInfo, Config, DeviceInfo, DeviceStats,
+                      ExportFile, ImportSummary, KernelBuildInfo, Progress, PruneResult, RepairResult, StoreStats,
+                      TuningKey, TuningPolicy, TuningRecord, WorkerProgress)
 
 # The store's side (SQLAlchemy, Alembic) is imported at its first use, not with the
 # package: a process whose merges find their configs elsewhere never loads it.
 _STORE_SIDE = {
     "Claim": "claims", "Claims": "claims", "Step": "claims",
     "open_store": "connect", "open_store_for_library": "connect", "open_store_for_repair": "connect",
-    "Damage": "decode",
-    "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine", "default_url": "engine", "resolve_url": "engine",
+    "Damage": "rows",
+    "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine",
     "head_revision": "migrate",
     "Store": "store",
 }
@@ -59,50 +42,9 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = [
-    "BASELINE",
-    "DEFAULT_TIMEOUT_S",
-    "ENV_VAR",
-    "FAMILIES",
-    "BuildStats",
-    "CandidateResult",
-    "ChoiceKey",
-    "Claim",
-    "ClaimInfo",
-    "Claims",
-    "Damage",
-    "DamagedRows",
-    "DbWarning",
-    "DeviceInfo",
-    "DeviceStats",
-    "ExportFile",
-    "ImportSummary",
-    "InvalidExportError",
-    "KernelBuildInfo",
-    "NoDatabase",
-    "KernelConfig",
-    "Progress",
-    "PruneResult",
-    "RepairResult",
-    "SchemaDamaged",
-    "SchemaTooNew",
-    "Store",
-    "StoreError",
-    "Step",
-    "StoreStats",
-    "TuningKey",
-    "TuningPolicy",
-    "TuningRecord",
-    "WorkerProgress",
-    "check_config",
-    "default_url",
-    "dump_export",
-    "head_revision",
-    "make_export",
-    "open_store",
-    "open_store_for_library",
-    "open_store_for_repair",
-    "parse_export",
-    "read_export",
-    "resolve_url",
-]
+__all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "BuildStats", "CandidateResult", "ChoiceKey", "Claim",
+           "ClaimInfo", "Claims", "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats",
+           "ExportFile", "ImportSummary", "KernelBuildInfo", "NoDatabase", "Progress",
+           "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError",
+           "StoreStats", "TuningKey", "TuningPolicy", "TuningRecord", "WorkerProgress", "head_revision",
+           "open_store", "open_store_for_library", "open_store_for_repair"]

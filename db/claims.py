@@ -9,29 +9,109 @@ heartbeats while it tunes; the result and the end of the claim are written in
 one transaction, so a key is either claimable or done, never lost in
 between.  A lease that runs out (worker killed, host lost) makes the key
 claimable again.  All times are the database server's clock, so hosts with
-skewed clocks agree.  Which keys are claimable is :func:`.progress.standing`.
+skewed clocks agree.  One rule, :func:`standing`, serves ``kvsplit tune
+--status``, ``kvsplit db progress`` and the workers' choice of what to claim
+next, so what the status shows is what the workers do.
 """
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Text, func, insert, literal_column, select, type_coerce, update
 from sqlalchemy.orm import Session
 
-from .decode import CLAIMS, Unparsable, claim_row, parse_timestamp, raw_columns
-from .models import CanonicalJSON, KernelBuild
-from .progress import CLAIMABLE, Standing, standing, summarize
-from .reads import read_records
-from .rows import device_is, find_for_write, write_record
-from .schemas import ClaimInfo, Progress, TuningKey, TuningRecord
+from .models import canonical_json
+from .rows import BUILDS, CLAIMS, Reader, device_is, find_for_write, raw_columns, read_records, stored_time, write_record
+from .schemas import ClaimInfo, Progress, TuningKey, TuningRecord, WorkerProgress
 from .store import Store
 
+#: ``done``: result stored; ``claimed``: live lease; ``failed``: final for now;
+#: ``expired``: lease ran out (claimable); ``left``: claimable.
+Standing = Literal["done", "claimed", "failed", "expired", "left"]
+CLAIMABLE: tuple[Standing, ...] = ("left", "expired")
+
+
+def is_live(claim: ClaimInfo | None, now: datetime) -> bool:
+    """Whether ``claim`` is held by a worker whose lease has not run out."""
+    return (claim is not None and claim.state == "claimed" and claim.expires_at is not None
+            and claim.expires_at > now)
+
+
+def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
+             run_started: datetime | None = None, force: bool = False) -> Standing:
+    """Where one key stands.
+
+    Parameters
+    ----------
+    claim : ClaimInfo or None
+        Its claim row; ``None`` when there is none or it does not parse (then
+        the key is claimable, and the claim row is overwritten).
+    stored : bool
+        Whether a result is stored for the key.
+    now : datetime
+        The database's clock.
+    run_started : datetime, optional
+        When the asking worker started (database clock).  A failure from
+        before that is tried again (a new run retries old failures); one from
+        during the run is final for it, so workers never retry each other's
+        failures in a loop.
+    force : bool
+        Re-tune stored keys, each once per run: a key counts as done only if
+        it was finished after ``run_started``.
+    """
+    if is_live(claim, now):
+        return "claimed"
+    if claim is not None and claim.state == "claimed":
+        return "expired"
+    finished_in_run = (claim is not None and claim.state in ("done", "failed")
+                       and (run_started is None or (claim.heartbeat_at is not None
+                                                    and claim.heartbeat_at >= run_started)))
+    if force and run_started is not None:
+        return claim.state if finished_in_run else "left"  # type: ignore[union-attr, return-value]
+    if stored:
+        return "done"
+    if finished_in_run and claim.state == "failed":  # type: ignore[union-attr]
+        return "failed"
+    return "left"  # open, never claimed, damaged, an old failure, or done but since pruned
+
+
+def summarize(url: str, now: datetime, keys: Iterable[TuningKey], claims: dict[TuningKey, ClaimInfo],
+              stored: set[TuningKey]) -> Progress:
+    """The :class:`Progress` of ``keys`` given their claims and which ones have a stored result."""
+    counts: dict[str, int] = defaultdict(int)
+    workers: dict[str, list[ClaimInfo]] = defaultdict(list)
+    failures = []
+    attempts = 0
+    keys = list(keys)
+    for key in keys:
+        claim = claims.get(key)
+        where = standing(claim, key in stored, now)
+        counts[where] += 1
+        attempts += claim.attempts if claim is not None else 0
+        if where == "claimed":
+            workers[claim.owner or "?"].append(claim)  # type: ignore[union-attr]
+        elif where == "failed":
+            failures.append(claim)
+    return Progress(
+        url=url, now=now, keys=len(keys), done=counts["done"], claimed=counts["claimed"],
+        failed=counts["failed"], left=counts["left"] + counts["expired"], expired=counts["expired"],
+        attempts=attempts,
+        workers=[WorkerProgress(owner=owner, claimed=len(held),
+                                since=min((c.claimed_at for c in held if c.claimed_at), default=None),
+                                heartbeat_at=max((c.heartbeat_at for c in held if c.heartbeat_at),
+                                                 default=None))
+                 for owner, held in sorted(workers.items())],
+        failures=failures,
+    )
+
+
 _CHUNK = 500  # keys per IN list, well under every backend's parameter limit
-_CANONICAL = CanonicalJSON()
 _RAW = raw_columns(CLAIMS)
 _KEY_TEXT = type_coerce(CLAIMS.c.key, Text)  # compared as the stored text, not re-encoded
 _NOW_PG = func.clock_timestamp()
@@ -40,7 +120,7 @@ _NOW_SQLITE = func.strftime("%Y-%m-%d %H:%M:%f", literal_column("'now'"))
 
 def key_text(key: TuningKey) -> str:
     """The claims table's ``key`` for ``key``: its canonical JSON, as the column stores it."""
-    return _CANONICAL.process_bind_param(key.model_dump(mode="json"), None)
+    return canonical_json(key.model_dump(mode="json"))
 
 
 def database_now(session: Session) -> datetime:
@@ -50,7 +130,7 @@ def database_now(session: Session) -> datetime:
         value = session.execute(select(_NOW_PG)).scalar_one()
         return value.astimezone(timezone.utc)
     if dialect == "sqlite":
-        value = parse_timestamp(session.execute(select(_NOW_SQLITE)).scalar_one())
+        value = stored_time(session.execute(select(_NOW_SQLITE)).scalar_one())
         if value is not None:
             return value
     return datetime.now(timezone.utc)
@@ -94,12 +174,7 @@ def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, A
 
 def _decoded(raw: dict[str, Any] | None) -> ClaimInfo | None:
     """The claim, or ``None`` for no row or a row that does not parse (claimable: it is overwritten)."""
-    if raw is None:
-        return None
-    try:
-        return claim_row(raw)
-    except Unparsable:
-        return None
+    return Reader().claim(raw)
 
 
 def _register(session: Session, texts: Sequence[str]) -> None:
@@ -118,7 +193,7 @@ def _register(session: Session, texts: Sequence[str]) -> None:
         present = _claim_rows(session, missing)
         missing = [t for t in missing if t not in present]
     for start in range(0, len(missing), _CHUNK):
-        values = [{"key": _CANONICAL.process_result_value(t, None), "state": "open", "attempts": 0}
+        values = [{"key": json.loads(t), "state": "open", "attempts": 0}
                   for t in missing[start:start + _CHUNK]]
         if dialect_insert is None:  # a unique-key race raises IntegrityError: the store retries
             session.execute(insert(CLAIMS), values)
@@ -131,7 +206,7 @@ def _stored(session: Session, keys: Iterable[TuningKey]) -> set[TuningKey]:
     keys = set(keys)
     found: set[TuningKey] = set()
     for device, build_hash in {(k.device, k.build_hash) for k in keys}:
-        read = read_records(session, [*device_is(device), KernelBuild.build_hash == build_hash],
+        read = read_records(session, [*device_is(device), BUILDS.c.build_hash == build_hash],
                             candidates=False)
         found.update(s.record.key for s in read.records if s.record.key in keys)
     return found
@@ -165,7 +240,7 @@ class Claims:
                    run_started: datetime, force: bool = False) -> Step:
         """Claim the first claimable key of ``keys`` for ``owner``, for ``lease_s`` seconds.
 
-        ``run_started`` and ``force`` as in :func:`.progress.standing`.
+        ``run_started`` and ``force`` as in :func:`standing`.
         """
         texts = {key_text(k): k for k in keys}
 

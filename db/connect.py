@@ -10,6 +10,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .engine import DEFAULT_TIMEOUT_S, create_db_engine, describe_error, engine_name
 from .errors import DbWarning, NoDatabase, StoreError
 from .migrate import ensure_schema, head_revision, restore_schema
+from .schemas import Config
 from .store import OnDamage, Store, memory_engine
 from .targets import Target, parse_target, stat_file
 
@@ -67,6 +68,7 @@ def open_store(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     create: bool = True,
     on_damage: OnDamage = "raise",
+    config_type: type[Config] = Config,
 ) -> Store:
     """Open the tuning database, creating or upgrading its schema.
 
@@ -85,6 +87,9 @@ def open_store(
     on_damage : {"raise", "warn"}
         What a read that meets rows that do not parse does: raise
         :class:`DamagedRows`, or skip them with one :class:`DbWarning`.
+    config_type : type of Config
+        What stored configs become (see :class:`Store`): the commands and the
+        dispatcher give ``kvsplit.config.KernelConfig``.
 
     Returns
     -------
@@ -101,10 +106,11 @@ def open_store(
         (:class:`SchemaDamaged`); :class:`SchemaTooNew` for a newer schema.
     """
     engine, target = _ready_engine(url, timeout_s, create=create)
-    return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage)
+    return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)
 
 
-def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Store:
+def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                           config_type: type[Config] = Config) -> Store:
     """Open the tuning database for a library caller; never raises for a database problem.
 
     Like :func:`open_store`, but a database that cannot be used (bad URL or
@@ -126,13 +132,12 @@ def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT
             DbWarning,
             stacklevel=2,
         )
-        return Store(memory_engine(), fallback=True, timeout_s=timeout_s)
-    return Store(engine, target=target, fallback=True, timeout_s=timeout_s)
+        return Store(memory_engine(), fallback=True, timeout_s=timeout_s, config_type=config_type)
+    return Store(engine, target=target, fallback=True, timeout_s=timeout_s, config_type=config_type)
 
 
-def open_store_for_repair(
-    url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, dry_run: bool = False
-) -> tuple[Store, list[str]]:
+def open_store_for_repair(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, dry_run: bool = False,
+                          config_type: type[Config] = Config) -> tuple[Store, list[str]]:
     """Open a database that may be damaged, for :meth:`Store.repair`.
 
     A damaged version table or missing tables are restored first (see
@@ -149,4 +154,4 @@ def open_store_for_repair(
     done = _guarded(engine, timeout_s, lambda: restore_schema(engine, dry_run=dry_run))
     if not (dry_run and done):
         _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=False))
-    return Store(engine, target=target, timeout_s=timeout_s, on_damage="raise"), done
+    return Store(engine, target=target, timeout_s=timeout_s, on_damage="raise", config_type=config_type), done

@@ -19,10 +19,10 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlch
 from sqlalchemy.pool import NullPool, StaticPool
 
 from .errors import StoreError
-from .targets import ENV_VAR, BadTarget, Target, default_path, is_memory, parse_target, visible
+from .targets import ENV_VAR, BadTarget, Target, is_memory, parse_target, visible
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ENV_VAR", "WRITE_OPTION", "create_db_engine", "default_url", "describe_error",
-           "display_url", "engine_name", "is_memory_url", "resolve_url"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ENV_VAR", "WRITE_OPTION", "create_db_engine", "describe_error", "display_url",
+           "engine_name", "is_memory_url"]
 #: How long a writer waits for another process's write lock, in seconds.
 DEFAULT_TIMEOUT_S = 30.0
 #: Execution option that makes a SQLite transaction start with BEGIN IMMEDIATE.
@@ -37,24 +37,6 @@ _DRIVER_PACKAGES = {
     "pg8000": "pg8000", "oracledb": "oracledb", "pyodbc": "pyodbc", "pymssql": "pymssql",
     "aiosqlite": "aiosqlite", "aiomysql": "aiomysql",
 }
-
-def default_url() -> str:
-    """``sqlite:///`` URL of ``tuning.sqlite`` in the user cache directory."""
-    return URL.create("sqlite", database=str(default_path())).render_as_string()
-
-
-def resolve_url(url: str | None = None) -> str:
-    """The URL to use: ``url``, else ``$KVSPLIT_DB``, else :func:`default_url` (see :func:`.targets.parse_target`).
-
-    A value without a scheme is the path of an SQLite file, taken literally.
-
-    Raises
-    ------
-    StoreError
-        The value names no database kvsplit can open.
-    """
-    return parse_target(url).url.render_as_string(hide_password=False)
-
 
 def display_url(url: str) -> str:
     """``url`` with any password masked, for messages."""
@@ -120,8 +102,11 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
         else:
             connect_args = {}
             if url.get_backend_name() == "postgresql":
-                # Fail in bounded time on an unreachable server instead of hanging.
+                # Fail in bounded time on an unreachable server instead of hanging; timestamps
+                # read as text (see rows.py) in the one form whatever the server's DateStyle.
                 connect_args["connect_timeout"] = max(1, int(timeout_s))
+                if "options" not in url.query:
+                    connect_args["options"] = "-c DateStyle=ISO"
             engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except NoSuchModuleError as exc:
         raise BadTarget(
@@ -147,7 +132,7 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
 
 def _lenient_text(data: bytes) -> str:
     # Invalid UTF-8 in a text column must not fail the whole query in the
-    # driver: it reads back with surrogates, and decode.py calls it damage.
+    # driver: it reads back with surrogates, and rows.py calls it damage.
     return data.decode("utf-8", "surrogateescape")
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 
 class StoreError(Exception):
     """The tuning database cannot be used: bad URL, corrupt file, unwritable, locked.
@@ -38,7 +36,7 @@ class DamagedRows(StoreError):
 
     Attributes
     ----------
-    damage : list of kvsplit.db.decode.Damage
+    damage : list of kvsplit.db.rows.Damage
         Each names the table, the row id and the problem.
     """
 
@@ -50,48 +48,6 @@ class DamagedRows(StoreError):
 
 class SchemaDamaged(StoreError):
     """The schema version table is missing, empty, duplicated or holds garbage, or a table is missing."""
-
-
-class InvalidExportError(ValueError):
-    """An export file failed validation; nothing was written.
-
-    Attributes
-    ----------
-    problems : list of str
-        One line per problem, each naming the record index and the field;
-        the first 100 problems only when there are more.
-    total : int
-        How many problems were found in all.
-    invalid_records : int
-        How many records have at least one.
-    """
-
-    def __init__(self, problems: list[str], *, total: int | None = None, invalid_records: int | None = None) -> None:
-        self.problems = list(problems)
-        self.total = len(self.problems) if total is None else total
-        self.invalid_records = len(_records_named(self.problems)) if invalid_records is None else invalid_records
-        super().__init__("invalid tuning export: " + "; ".join(self.report()))
-
-    def report(self, shown: int = 5) -> list[str]:
-        """The first ``shown`` problems, then one line counting the rest (and the records they are in)."""
-        lines = self.problems[:shown]
-        more = self.total - len(lines)
-        if more > 0:
-            records = self.invalid_records - len(_records_named(lines))
-            lines.append(f"... and {_count(more, 'more problem')}"
-                         + (f" in {_count(records, 'more record')}" if records > 0 else ""))
-        return lines
-
-
-_RECORD = re.compile(r"record (\d+)\b")
-
-
-def _records_named(problems: list[str]) -> set[str]:
-    return {match.group(1) for match in map(_RECORD.match, problems) if match}
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 class DbWarning(UserWarning):

@@ -1,9 +1,10 @@
 """SQLAlchemy ORM models of the tuning database (schema revision 0003).
 
-These classes never leave ``db/``: :mod:`.store` turns them into the pydantic
-models of :mod:`.schemas`.  Constraint names are spelled out because Alembic's
-batch mode on SQLite finds constraints by name, and the migrations in
-``migrations/versions`` must produce exactly these tables (a test compares them).
+These tables never leave ``db/``: :mod:`.rows` reads their rows as stored and
+turns them into the pydantic models of :mod:`.schemas`.  Constraint names are
+spelled out because Alembic's batch mode on SQLite finds constraints by name,
+and the migrations in ``migrations/versions`` must produce exactly these
+tables (a test compares them).
 """
 
 from __future__ import annotations
@@ -12,29 +13,12 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import (
-    Boolean,
-    DateTime,
-    Float,
-    ForeignKey,
-    Integer,
-    String,
-    Text,
-    UniqueConstraint,
-)
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-KEY_COLUMNS = (
-    "device_id",
-    "build_id",
-    "head_dim",
-    "partial_dtype",
-    "out_dtype",
-    "stats_format",
-    "num_splits",
-    "rows",
-)
+#: The columns of a result's key, the ``ChoiceKey`` order after the device and build.
+KEY_COLUMNS = ("device_id", "build_id", "head_dim", "partial_dtype", "out_dtype", "stats_format", "num_splits", "rows")
 
 
 class CanonicalJSON(TypeDecorator):
@@ -43,23 +27,25 @@ class CanonicalJSON(TypeDecorator):
     Text rather than the dialect's JSON type so that the same parameters always
     give the same string: equality and unique constraints then work on SQLite and
     PostgreSQL alike (PostgreSQL's ``json`` type has no equality operator).
+    Read back as the stored text: :mod:`.rows` parses it.
     """
 
     impl = Text
     cache_ok = True
 
     def process_bind_param(self, value: Any, dialect: Any) -> str | None:
-        return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return None if value is None else canonical_json(value)
 
-    def process_result_value(self, value: str | None, dialect: Any) -> Any:
-        return None if value is None else json.loads(value)
+
+def canonical_json(value: Any) -> str:
+    """``value`` as the JSON columns store it: sorted keys, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 class UTCDateTime(TypeDecorator):
-    """A timestamp stored as naive UTC and read back as an aware UTC ``datetime``.
+    """A timestamp stored as naive UTC; :mod:`.rows` reads it as text and puts the zone back.
 
-    SQLite keeps no time zone, so every backend stores naive UTC and the zone is
-    put back on read.
+    SQLite keeps no time zone, so every backend stores naive UTC.
     """
 
     impl = DateTime
@@ -69,9 +55,6 @@ class UTCDateTime(TypeDecorator):
         if value is not None and value.tzinfo is not None:
             value = value.astimezone(timezone.utc).replace(tzinfo=None)
         return value
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        return None if value is None else value.replace(tzinfo=timezone.utc)
 
 
 class Base(DeclarativeBase):
@@ -131,40 +114,6 @@ class TuningResult(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
-    # innerjoin: the foreign keys are NOT NULL, and PostgreSQL refuses
-    # FOR UPDATE on the nullable side of an outer join.
-    device: Mapped[Device] = relationship(lazy="joined", innerjoin=True)
-    build: Mapped[KernelBuild] = relationship(lazy="joined", innerjoin=True)
-    candidates: Mapped[list[Candidate]] = relationship(
-        lazy="selectin",
-        cascade="all, delete-orphan",
-        passive_deletes=True,
-        order_by="Candidate.id",
-    )
-
-    # The three properties below let the pydantic models read a row with
-    # ``from_attributes=True``.
-    @property
-    def key(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "build_hash": self.build.build_hash,
-            "head_dim": self.head_dim,
-            "partial_dtype": self.partial_dtype,
-            "out_dtype": self.out_dtype,
-            "stats_format": self.stats_format,
-            "num_splits": self.num_splits,
-            "rows": self.rows,
-        }
-
-    @property
-    def winner(self) -> dict[str, Any]:
-        return {"family": self.winner_family, "params": self.winner_params}
-
-    @property
-    def policy(self) -> dict[str, Any]:
-        return {"l2_state": self.l2_state, "repeats": self.repeats, "noise_margin": self.noise_margin}
-
 
 class Candidate(Base):
     """One config measured for a result; times in microseconds."""
@@ -183,10 +132,6 @@ class Candidate(Base):
     p90_us: Mapped[float] = mapped_column(Float)
     samples: Mapped[int] = mapped_column(Integer)
     matched: Mapped[bool] = mapped_column(Boolean)
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return {"family": self.family, "params": self.params}
 
 
 class TuningClaim(Base):

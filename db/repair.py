@@ -18,8 +18,7 @@ from typing import Any
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
-from .decode import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
-from .reads import scan
+from .rows import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES, scan
 from .schemas import RepairResult
 
 _CHUNK = 500  # ids per DELETE, well under every backend's parameter limit

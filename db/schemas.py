@@ -3,18 +3,25 @@
 Times are microseconds, timestamps aware UTC ``datetime``.  Dtypes are torch
 names without the ``torch.`` prefix.  The models forbid unknown fields so that
 an export file with a typo fails validation instead of losing data.
+
+A kernel config is plain data here (:class:`Config`: a family name and
+positive integer parameters): which families and values exist is the kernel
+layer's vocabulary, checked above the store by a :class:`Config` subclass
+(``kvsplit.config.KernelConfig``) given as ``context={"config": ...}`` to
+``model_validate``, or to :func:`kvsplit.db.open_store` as ``config_type``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Annotated, Literal
+from importlib import metadata
+from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
                       model_validator)
-
-from ..config import BASELINE, KernelConfig
+from pydantic_core import core_schema
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 OutDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"]
@@ -27,13 +34,13 @@ ImportRule = Literal["newer", "replace", "keep"]
 
 # Upper bound of a 32-bit INTEGER column, so that an oversized value fails
 # validation instead of failing inside the database.
-_INT_MAX = 2**31 - 1
-Positive = Annotated[StrictInt, Field(ge=1, le=_INT_MAX)]
-Count = Annotated[StrictInt, Field(ge=0, le=_INT_MAX)]
+INT_MAX = 2**31 - 1
+Positive = Annotated[StrictInt, Field(ge=1, le=INT_MAX)]
+Count = Annotated[StrictInt, Field(ge=0, le=INT_MAX)]
 Micros = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
-def _no_nul(value: str) -> str:
+def no_nul(value: str) -> str:
     # PostgreSQL's text cannot hold NUL and SQLite's can: refused here, no
     # backend ever sees one, and an import means the same on both.
     if "\x00" in value:
@@ -42,7 +49,7 @@ def _no_nul(value: str) -> str:
 
 
 #: Text stored in the database.
-Text = Annotated[str, AfterValidator(_no_nul)]
+Text = Annotated[str, AfterValidator(no_nul)]
 
 
 class _Model(BaseModel):
@@ -56,6 +63,87 @@ def _utc(value: datetime | None) -> datetime | None:
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)
+
+
+class Config:
+    """A kernel config as data: a family name and its positive integer parameters.
+
+    Immutable and hashable; equal to any config (a subclass included) of the
+    same family and parameters.  Stored as ``{"family": ..., "params": {...}}``.
+    """
+
+    __slots__ = ("family", "_params", "_hash")
+
+    def __init__(self, family: str, params: Mapping[str, int]):
+        if not isinstance(family, str) or not 0 < len(family) <= 32 or "\x00" in family:
+            raise ValueError(f"a kernel family is a name of 1 to 32 characters, got {family!r}")
+        if not isinstance(params, Mapping) or not all(
+                isinstance(k, str) and type(v) is int and 0 < v <= INT_MAX for k, v in params.items()):
+            raise ValueError(f"a config's params map names to positive integers, got {params!r}")
+        set_ = object.__setattr__
+        set_(self, "family", family)
+        set_(self, "_params", tuple(sorted(params.items())))
+        set_(self, "_hash", hash((family, self._params)))
+
+    @property
+    def params(self) -> dict[str, int]:
+        """The family's parameters (a fresh dict)."""
+        return dict(self._params)
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}({', '.join(f'{k}={v}' for k, v in self._params)})"
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self.family == other.family and self._params == other._params
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label})"
+
+    def __reduce__(self):  # noqa: ANN204
+        return (type(self), (self.family, self.params))
+
+    @staticmethod
+    def _validate(value: Any, info: core_schema.ValidationInfo) -> Config:
+        # The caller's config type (context "config") checks the vocabulary; plain data otherwise.
+        kind = (info.context or {}).get("config", Config)
+        if isinstance(value, kind):
+            return value
+        if isinstance(value, Config):
+            return kind(value.family, value.params)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a kernel config is an object {{family, params}}, got {value!r}")
+        extra = sorted(set(value) - {"family", "params"})
+        if extra:
+            raise ValueError(f"a kernel config has only family and params, got {', '.join(map(str, extra))}")
+        if "params" not in value:
+            raise ValueError("a kernel config needs params")
+        return kind(value.get("family", BASELINE_FAMILY), value["params"])
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.with_info_plain_validator_function(
+            Config._validate,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda c: {"family": c.family, "params": c.params}))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> dict:
+        return {"type": "object", "properties": {"family": {"type": "string"}, "params": {"type": "object"}},
+                "required": ["params"]}
+
+
+#: The config every speed-up is measured against: one thread group per row.
+BASELINE_FAMILY = "kvsplit"
+BASELINE = Config(BASELINE_FAMILY, {"kv_split": 1})
 
 
 class DeviceInfo(_Model, frozen=True):
@@ -139,7 +227,7 @@ class CandidateResult(_Model):
     be timed: its times are 0 and it did not match.
     """
 
-    config: KernelConfig
+    config: Config
     median_us: Micros
     p10_us: Micros
     p90_us: Micros
@@ -168,7 +256,7 @@ class TuningRecord(_Model):
     """
 
     key: TuningKey
-    winner: KernelConfig
+    winner: Config
     policy: TuningPolicy
     candidates: list[CandidateResult] = Field(default_factory=list)
     tool_version: Text = Field(min_length=1, max_length=64)
@@ -179,7 +267,7 @@ class TuningRecord(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> TuningRecord:
-        seen: set[KernelConfig] = set()
+        seen: set[Config] = set()
         for c in self.candidates:
             if c.config in seen:
                 raise ValueError(f"candidate {c.config.label} appears twice")
@@ -192,7 +280,7 @@ class TuningRecord(_Model):
                 raise ValueError(f"winner {self.winner.label} did not match kv_split=1")
         return self
 
-    def candidate(self, config: KernelConfig) -> CandidateResult | None:
+    def candidate(self, config: Config) -> CandidateResult | None:
         """The measurement of ``config``, or ``None`` if it was not measured."""
         return next((c for c in self.candidates if c.config == config), None)
 
@@ -204,6 +292,14 @@ class TuningRecord(_Model):
             return None
         value = base.median_us / best.median_us
         return value if math.isfinite(value) else None
+
+
+def tool_version() -> str:
+    """The installed kvsplit version, or ``"unknown"`` when running from a source tree."""
+    try:
+        return metadata.version("kvsplit")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class ExportFile(_Model):

@@ -1,7 +1,7 @@
 """The tuning store: upserts and queries over one engine.
 
 Every operation is one short transaction.  Rows become the pydantic models of
-:mod:`.schemas` in :mod:`.decode` only, before the session closes; none leaves.
+:mod:`.schemas` in :mod:`.rows` only, before the session closes; none leaves.
 A row that does not parse is never an exception in a read: the store raises
 :class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it
 with a :class:`DbWarning` that names each row once (``"warn"``, library
@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -28,32 +29,16 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from . import generation
 from . import repair as repairing
-from .decode import Damage
-from .reads import read_records, scan
 from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, default_quarantine_path, describe_error,
                      engine_name, is_memory_url)
 from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, listed
 from .migrate import ensure_schema
-from .models import Device, KernelBuild, TuningResult
-from .rows import device_is, find_for_write, key_conditions, merge_records, prune_results, stale_build_ids, write_record
-from .schemas import (
-    ChoiceKey,
-    DeviceInfo,
-    ExportFile,
-    ImportRule,
-    ImportSummary,
-    KernelConfig,
-    PruneResult,
-    RepairResult,
-    StoreStats,
-    TuningKey,
-    TuningRecord,
-)
-from .summary import summarize
+from .rows import (BUILDS, DEVICES, RESULTS, Damage, bump_generation, device_is, find_for_write, key_conditions,
+                   merge_records, prune_results, read_generation, read_records, scan, stale_build_ids, write_record)
+from .schemas import (BuildStats, ChoiceKey, Config, DeviceInfo, DeviceStats, ExportFile, ImportRule, ImportSummary,
+                      PruneResult, RepairResult, StoreStats, TuningKey, TuningRecord, tool_version)
 from .targets import Target
-from .transfer import make_export, parse_export
 from .watch import FileWatch
 
 log = logging.getLogger("kvsplit.db")
@@ -74,11 +59,6 @@ def _read_options(engine: Engine) -> dict[str, object]:
     # committing in between could pair one writer's winner with another's
     # candidates.  SQLite transactions are snapshots already.
     return {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
-
-
-def _key_columns(r: type[TuningResult]) -> tuple:
-    """A result's ChoiceKey columns, in ChoiceKey order (also the listing order)."""
-    return (r.head_dim, r.partial_dtype, r.out_dtype, r.stats_format, r.num_splits, r.rows)
 
 
 def _now() -> datetime:
@@ -123,6 +103,10 @@ class Store:
         Rows that do not parse: raise :class:`DamagedRows`, or skip them with
         one :class:`DbWarning` naming each row once.  Default ``"warn"`` with
         ``fallback``, else ``"raise"``.
+    config_type : type of Config
+        What stored configs become: plain :class:`Config` data, or a subclass
+        that checks the kernel layer's vocabulary (``kvsplit.config.KernelConfig``),
+        so that a config it refuses is a row that does not parse.
     """
 
     def __init__(
@@ -133,8 +117,10 @@ class Store:
         fallback: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_damage: OnDamage | None = None,
+        config_type: type[Config] = Config,
     ):
         self._engine = engine
+        self._context = {"config": config_type}
         self._target = target
         self._watch = _watch(target) if fallback else None
         #: How many times a replaced file was reopened: tables read before are from another file.
@@ -178,15 +164,11 @@ class Store:
     def transaction(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         """Run ``work(session)`` in one transaction, as every operation of the store does.
 
-        For the other modules of ``db/`` (the fleet's claims): database errors
-        become :class:`StoreError` (or, with ``fallback``, a warning and
-        memory); a write that meets a unique-key race is retried.  ``bump``
-        also advances the generation counter in the same transaction (a write
-        of results).
+        Database errors become :class:`StoreError` (or, with ``fallback``, a
+        warning and memory); a write that meets a unique-key race is retried.
+        ``bump`` also advances the generation counter in the same transaction
+        (a write of results).
         """
-        return self._run(work, write=write, bump=bump)
-
-    def _run(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         attempt = 0
         while True:
             if self._watch is not None:
@@ -196,10 +178,11 @@ class Store:
             # One in-memory connection serves every thread: transactions must not interleave.
             guard = self._memory_lock if self.in_memory else contextlib.nullcontext()
             try:
-                with guard, Session(bound, expire_on_commit=False) as session, session.begin():
+                session = Session(bound, expire_on_commit=False, info={"context": self._context})
+                with guard, session, session.begin():
                     value = work(session)
                     if bump:
-                        generation.bump(session)
+                        bump_generation(session)
                     return value
             except IntegrityError as exc:
                 attempt += 1
@@ -272,7 +255,7 @@ class Store:
         return engine, None
 
     def _read(self, work: Callable[[Session], tuple[T, list[Damage]]]) -> T:
-        value, damage = self._run(work, write=False)
+        value, damage = self.transaction(work, write=False)
         self._report(damage)
         return value
 
@@ -311,7 +294,7 @@ class Store:
             for record in records:
                 write_record(session, record, find_for_write(session, record.key), now)
 
-        self._run(work, write=True, bump=True)
+        self.transaction(work, write=True, bump=True)
 
     # -- reads --------------------------------------------------------------
 
@@ -324,20 +307,20 @@ class Store:
 
         return self._read(work)
 
-    def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, KernelConfig]:
+    def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, Config]:
         """Every winner for one device and build, in one query.
 
         Returns
         -------
         dict
             ``(head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows)``
-            -> winning :class:`KernelConfig`.  Rows that do not parse (a config
-            of a family this code does not know among them) are left out, as
+            -> winning config (of ``config_type``).  Rows that do not parse (a
+            config that ``config_type`` refuses among them) are left out, as
             ``on_damage`` says.  Candidates are not read.
         """
-        where = [*device_is(device), KernelBuild.build_hash == build_hash]
+        where = [*device_is(device), BUILDS.c.build_hash == build_hash]
 
-        def work(session: Session) -> tuple[dict[ChoiceKey, KernelConfig], list[Damage]]:
+        def work(session: Session) -> tuple[dict[ChoiceKey, Config], list[Damage]]:
             found = read_records(session, where, candidates=False)
             return {s.record.key.choice_key: s.record.winner for s in found.records}, found.damage
 
@@ -365,11 +348,11 @@ class Store:
         text_filters = (build_hash, dtype, out_dtype, stats_format)  # a device is device_is()'s
         if any(value is not None and "\x00" in value for value in text_filters):
             return []  # no stored text holds a NUL (see schemas.Text); PostgreSQL would refuse the parameter
-        r = TuningResult
+        r = RESULTS.c
         conditions = [
             col.in_(list(value)) if isinstance(value, Iterable) and not isinstance(value, str) else col == value
             for col, value in (
-                (KernelBuild.build_hash, build_hash),
+                (BUILDS.c.build_hash, build_hash),
                 (r.head_dim, head_dim),
                 (r.partial_dtype, dtype),
                 (r.out_dtype, out_dtype),
@@ -382,7 +365,8 @@ class Store:
         if device is not None:
             conditions.extend(device_is(device))
 
-        order = (Device.name, Device.sm_count, KernelBuild.build_hash, *_key_columns(r))
+        order = (DEVICES.c.name, DEVICES.c.sm_count, BUILDS.c.build_hash, r.head_dim, r.partial_dtype, r.out_dtype,
+                 r.stats_format, r.num_splits, r.rows)
 
         def work(session: Session) -> tuple[list[TuningRecord], list[Damage]]:
             found = read_records(session, conditions, order_by=order)
@@ -402,11 +386,26 @@ class Store:
             everything = scan(session)
             builds = everything.builds
             stale = {builds[i].build_hash for i in stale_build_ids(session, current_build) if i in builds}
-            versions = {b.build_hash: b.library_version for b in builds.values()}
             records = [stored.record for stored in everything.records]
             named = (current_build if current_build is None or isinstance(current_build, str)
                      else ",".join(sorted(current_build)))
-            return summarize(self.url, records, versions, stale, named), everything.damage
+            per_device: dict[DeviceInfo, list[TuningRecord]] = defaultdict(list)
+            per_build: dict[str, list[TuningRecord]] = defaultdict(list)
+            for record in records:
+                per_device[record.key.device].append(record)
+                per_build[record.key.build_hash].append(record)
+            devices = []
+            for device, recs in sorted(per_device.items(), key=lambda item: item[0].label):
+                speedups = [s for s in (r.speedup for r in recs) if s is not None]
+                devices.append(DeviceStats(
+                    device=device, keys=len(recs), mean_speedup=sum(speedups) / len(speedups) if speedups else None,
+                    max_speedup=max(speedups, default=None), oldest=_span(recs)[0], newest=_span(recs)[1]))
+            versions = sorted({b.build_hash: b.library_version for b in builds.values()}.items())
+            return StoreStats(
+                url=self.url, keys=len(records), devices=devices, current_build=named,
+                builds=[BuildStats(build_hash=h, library_version=v, keys=len(per_build[h]),
+                                   newest=_span(per_build[h])[1], stale=h in stale) for h, v in versions],
+                oldest=_span(records)[0], newest=_span(records)[1]), everything.damage
 
         return self._read(work)
 
@@ -417,13 +416,13 @@ class Store:
         prune), here or in any other process: one primary-key lookup tells a
         process whether its cached winners are still current.
         """
-        return self._run(generation.read, write=False)
+        return self.transaction(read_generation, write=False)
 
     # -- damage -------------------------------------------------------------
 
     def damage(self) -> list[Damage]:
         """Every row that does not parse, and every row that cannot stand without one (never raises for them)."""
-        return self._run(lambda session: scan(session).damage, write=False)
+        return self.transaction(lambda session: scan(session).damage, write=False)
 
     def check(self) -> None:
         """Raise :class:`DamagedRows` if any row does not parse, whatever ``on_damage`` says."""
@@ -449,7 +448,7 @@ class Store:
             default = default_quarantine_path(self._target.path if self._target is not None else None)
             return repairing.quarantine(session, self.url, default, quarantine, dry_run=dry_run)
 
-        return self._run(work, write=not dry_run, bump=not dry_run)
+        return self.transaction(work, write=not dry_run, bump=not dry_run)
 
     # -- pruning ------------------------------------------------------------
 
@@ -499,31 +498,31 @@ class Store:
                 raise DamagedRows(self.url, damage)  # before the transaction commits: nothing deleted
             return PruneResult(keys=keys, dry_run=dry_run), damage
 
-        value, damage = self._run(work, write=not dry_run, bump=not dry_run)
+        value, damage = self.transaction(work, write=not dry_run, bump=not dry_run)
         self._report(damage)
         return value
 
     # -- exchange -----------------------------------------------------------
 
     def export_records(self, **filters: object) -> ExportFile:
-        """An :class:`ExportFile` of the records matching ``filters`` (as :meth:`query`)."""
-        return make_export(self.query(**filters))
+        """An :class:`ExportFile` of the records matching ``filters`` (as :meth:`query`), stamped now."""
+        return ExportFile(exported_at=_now(), tool_version=tool_version(), records=self.query(**filters))
 
     def import_records(
         self,
-        source: ExportFile | list[TuningRecord] | str | bytes | Path,
+        source: ExportFile | Iterable[TuningRecord],
         *,
         rule: ImportRule = "newer",
         dry_run: bool = False,
     ) -> ImportSummary:
-        """Merge records into the store, all or nothing.
-
-        The whole input is validated before the first write (see
-        :func:`kvsplit.db.parse_export`), and all writes share one transaction.
+        """Merge records into the store, all or nothing, in one transaction.
 
         Parameters
         ----------
-        source : ExportFile, list of TuningRecord, JSON text or path
+        source : ExportFile or iterable of TuningRecord
+            An export file is read and validated above the store
+            (``kvsplit.export.parse_export``); records are validated again here
+            (against ``config_type`` too), and two of one key are refused.
         rule : {"newer", "replace", "keep"}
             For a key already stored: ``"newer"`` replaces it only if the
             incoming ``updated_at`` is strictly later (a tie, or an incoming
@@ -535,19 +534,24 @@ class Store:
 
         Raises
         ------
-        InvalidExportError
-            The input failed validation; nothing was written.
+        ValueError
+            A record failed validation (``pydantic.ValidationError``), or
+            two have one key; nothing was written.
         """
-        if isinstance(source, ExportFile):
-            records = source.records
-        elif isinstance(source, list):
-            # Round-trip through validation so hand-built lists get the same checks.
-            records = parse_export(make_export(source).model_dump_json()).records
-        else:
-            records = parse_export(source).records
+        # A record changed with model_copy(update=...) was never validated: all are, again.
+        records = [TuningRecord.model_validate(r.model_dump(), context=self._context)
+                   for r in (source.records if isinstance(source, ExportFile) else source)]
+        if len({r.key for r in records}) != len(records):
+            raise ValueError("two records of one tuning key")
 
         def work(session: Session) -> ImportSummary:
             counts = merge_records(session, records, rule=rule, dry_run=dry_run, now=_now())
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
-        return self._run(work, write=not dry_run, bump=not dry_run)
+        return self.transaction(work, write=not dry_run, bump=not dry_run)
+
+
+def _span(records: list[TuningRecord]) -> tuple[datetime | None, datetime | None]:
+    times = [r.updated_at for r in records if r.updated_at is not None]
+    return (min(times), max(times)) if times else (None, None)
+

@@ -321,7 +321,8 @@ class Dispatcher:
                 # long behind another process's write lock.
                 from .. import db  # the store loads at its first use: a table miss
 
-                self._store = db.open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S)
+                self._store = db.open_store_for_library(db_url, timeout_s=_LIBRARY_DB_TIMEOUT_S,
+                                                        config_type=KernelConfig)
                 self._store_url = db_url
                 self._store_in_memory = self._store.in_memory
                 self._store_reopened = self._store.reopened
@@ -440,7 +441,7 @@ def _shipped_table(facts: DeviceFacts) -> dict:
     """Winners shipped in kvsplit/tables/*.json for this device (any kernel build)."""
     table = _SHIPPED.get(facts)
     if table is None:
-        from ..db import read_export
+        from ..export import read_export
 
         table = {}
         info = device_info(facts)

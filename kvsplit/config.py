@@ -3,7 +3,7 @@
 Every code (dtypes, stats formats, families), every legal parameter value and
 every family rule comes from ``kvsplit._ext``, which reads them off
 ``csrc/include/kvsplit/config.h``; nothing here restates them. Importable
-without torch (the database layer uses it).
+without torch (the commands use it); the store below never imports it.
 
 :class:`KernelConfig` is the one config type of the project: the dispatcher
 chooses one, the tuner measures them, the database stores them (as
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic_core import core_schema
-
 from . import _native
+from .db.schemas import BASELINE as _BASELINE
+from .db.schemas import BASELINE_FAMILY, Config
 
 _ext = _native.ext()
 
@@ -110,8 +110,7 @@ def split_stats_format(field: str) -> tuple[str, bool]:
     return base, bool(layout)
 
 
-BASELINE_FAMILY = KVSPLIT
-BASELINE_PARAMS: dict[str, int] = {"kv_split": 1}
+BASELINE_PARAMS: dict[str, int] = dict(_BASELINE.params)
 
 
 def build_hash(is_cuda: bool) -> str:
@@ -151,32 +150,32 @@ def check_params(family: str, params: Mapping[str, Any]) -> None:
             raise ValueError(f"{family}.{name}={value!r} is not one of {', '.join(map(str, allowed[name]))}")
 
 
-class KernelConfig:
+class KernelConfig(Config):
     """What the kernel runs: a family and its integer parameters, e.g. ``kvsplit(kv_split=4)``.
 
-    Immutable and hashable. ``slices``, ``kv_split``, ``depth`` and ``vectors``
-    are the fields of the C++ config (a family's missing parameters take
-    :data:`CONFIG_DEFAULTS`); ``params`` is what the database stores.
+    The store's plain :class:`~kvsplit.db.schemas.Config`, checked against the
+    kernel layer's vocabulary.  Immutable and hashable. ``slices``,
+    ``kv_split``, ``depth`` and ``vectors`` are the fields of the C++ config (a
+    family's missing parameters take :data:`CONFIG_DEFAULTS`); ``params`` is
+    what the database stores.  Validating a store model with
+    ``context={"config": KernelConfig}`` checks its configs this way.
     """
 
-    __slots__ = ("family", "slices", "kv_split", "depth", "vectors", "family_code", "_params",
-                 "_hash")
+    __slots__ = ("slices", "kv_split", "depth", "vectors", "family_code")
 
     def __init__(self, family: str = BASELINE_FAMILY, params: Mapping[str, int] | None = None):
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ValueError(f"params must be a mapping of parameter names to ints, got {params!r}")
         check_params(family, params)
+        super().__init__(family, params)
         fields = {**CONFIG_DEFAULTS, **params}
         set_ = object.__setattr__
-        set_(self, "family", family)
         set_(self, "family_code", FAMILY_CODES[family])
         set_(self, "slices", fields["slices"])
         set_(self, "kv_split", fields["kv_split"])
         set_(self, "depth", fields["depth"])
         set_(self, "vectors", fields["vectors"])
-        set_(self, "_params", tuple(sorted(params.items())))
-        set_(self, "_hash", hash((family, self._params)))
 
     @classmethod
     def kvsplit(cls, kv_split: int) -> KernelConfig:
@@ -194,70 +193,13 @@ class KernelConfig:
         thread merging every state of them (its rounds' depth: :func:`few_depth`)."""
         return cls(FEW, {"vectors": vectors})
 
-    @property
-    def params(self) -> dict[str, int]:
-        """The family's parameters (a fresh dict)."""
-        return dict(self._params)
-
-    @property
-    def label(self) -> str:
-        inner = ", ".join(f"{k}={v}" for k, v in self._params)
-        return f"{self.family}({inner})"
-
     def native(self):
         """The C++ ``KernelConfig`` of the binding."""
         return _ext.KernelConfig(self.family_code, self.slices, self.kv_split, self.depth,
                                  self.vectors)
 
-    def __setattr__(self, name, value):
-        raise AttributeError("KernelConfig is immutable")
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, KernelConfig):
-            return NotImplemented
-        return self.family == other.family and self._params == other._params
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __repr__(self) -> str:
-        return f"KernelConfig({self.label})"
-
-    def __reduce__(self):
-        return (KernelConfig, (self.family, dict(self._params)))
-
-    # -- pydantic: validated from and serialized as {"family": ..., "params": {...}} --------
-    @classmethod
-    def _parse(cls, value: Any) -> KernelConfig:
-        if isinstance(value, KernelConfig):
-            return value
-        if not isinstance(value, Mapping):
-            raise ValueError(f"a kernel config is an object {{family, params}}, got {value!r}")
-        extra = sorted(set(value) - {"family", "params"})
-        if extra:
-            raise ValueError(f"a kernel config has only family and params, got {', '.join(extra)}")
-        if "params" not in value:
-            raise ValueError("a kernel config needs params")
-        family = value.get("family", BASELINE_FAMILY)
-        if not isinstance(family, str):
-            raise ValueError(f"family must be a string, got {family!r}")
-        return cls(family, value["params"])
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        return core_schema.no_info_plain_validator_function(
-            cls._parse,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda c: {"family": c.family, "params": c.params}))
-
-    @classmethod
-    def __get_pydantic_json_schema__(cls, schema, handler):
-        return {"type": "object", "properties": {"family": {"type": "string"},
-                                                 "params": {"type": "object"}},
-                "required": ["params"]}
-
-
-BASELINE = KernelConfig(BASELINE_FAMILY, BASELINE_PARAMS)
+BASELINE = KernelConfig(_BASELINE.family, _BASELINE.params)
 
 
 def check(config: KernelConfig, head_dim: int, elem_bytes: int) -> str | None:

@@ -12,6 +12,7 @@ def _database(url: str | None) -> tuple[str, str, bool]:
     """The database as given, one line on its state and whether it has a problem; never creates it."""
     from .db import StoreError, open_store
     from .db.errors import NoDatabase
+    from .config import KernelConfig
     from .db.targets import parse_target, shown_as_given
 
     try:
@@ -21,7 +22,7 @@ def _database(url: str | None) -> tuple[str, str, bool]:
     if target.memory:
         return target.shown, "in memory (every process starts it empty; nothing is kept)", False
     try:
-        with open_store(url, create=False) as store:
+        with open_store(url, create=False, config_type=KernelConfig) as store:
             store.check()
             results = len(store.query())
     except NoDatabase:

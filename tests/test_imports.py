@@ -52,10 +52,11 @@ def test_the_first_merge_opens_the_store(tmp_path):
 # layer and of the layers below, never above; the check counts function-local imports
 # too (tests/import_graph.py), so a lazy import is fine only when it points down.
 LAYERS = (
-    ("vocabulary", ("kvsplit._native", "kvsplit.config", "kvsplit.files", "kvsplit.terminal",
-                    "kvsplit.reference", "kvsplit.installed")),
-    # Beside the vocabulary: the store imports nothing of the layers above.
+    # The store: configs as plain data, nothing of the kernel extension or the layers above.
     ("store", ("kvsplit.db", "kvsplit.db.*")),
+    ("vocabulary", ("kvsplit._native", "kvsplit.config", "kvsplit.files", "kvsplit.terminal",
+                    "kvsplit.reference", "kvsplit.installed", "kvsplit.export",
+                    "kvsplit.export_text")),
     ("op", ("kvsplit._kernel", "kvsplit.validation", "kvsplit.launches")),
     ("tuning", ("kvsplit.autotune", "kvsplit.autotune.*")),
     ("choice", ("kvsplit.dispatch", "kvsplit.dispatch.*")),
@@ -117,3 +118,20 @@ def test_the_graph_counts_function_local_imports(tmp_path):
     edges = import_graph.graph(tmp_path)
     assert edges["kvsplit.low"] == {"kvsplit.high"} and edges["kvsplit.high"] == {"kvsplit.low"}
     assert import_graph.cycles(edges) == [["kvsplit.high", "kvsplit.low"]]
+
+
+def test_the_store_knows_nothing_of_the_kernel_extension(tmp_path):
+    """Every module of kvsplit.db, used to read and write a store, loads no extension and no layer above."""
+    probe = ("import pkgutil, sys, importlib, kvsplit.db as db\n"
+             "for m in pkgutil.iter_modules(db.__path__):\n"
+             "    importlib.import_module('kvsplit.db.' + m.name)\n"
+             "store = db.open_store('sqlite://')\n"
+             "store.query(); store.stats(); store.repair(dry_run=True)\n"
+             "print(' '.join(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, check=True,
+                            timeout=120, env={**os.environ, "KVSPLIT_DB": str(tmp_path / "t.sqlite")})
+    loaded = set(result.stdout.split())
+    assert "sqlalchemy" in loaded and "kvsplit.db.store" in loaded
+    above = {"torch", "kvsplit._ext", "kvsplit.config", "kvsplit.installed", "kvsplit.dispatch", "kvsplit.autotune",
+             "kvsplit.cli", "kvsplit.export", "matplotlib"}
+    assert not above & loaded

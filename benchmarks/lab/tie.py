@@ -21,7 +21,8 @@ import torch
 
 from kvsplit import _kernel, merge
 from kvsplit.autotune import timing, tuner
-from kvsplit.db import DeviceInfo, KernelConfig, TuningKey
+from kvsplit.db import DeviceInfo, TuningKey
+from kvsplit.config import KernelConfig
 from kvsplit.dispatch.constraints import configs_for_key, valid_configs
 from kvsplit.dispatch.dispatcher import _fixed_config
 

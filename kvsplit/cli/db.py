@@ -15,11 +15,10 @@ import click
 
 from .kit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
                       db_url, storing_db_url)
+from ..config import OUT_DTYPES, PARTIAL_DTYPES, SCATTERED, STATS_FORMAT_CODES, KernelConfig
 from ..terminal import printable
 from ..db.claims import Claims
 from ..db.connect import open_store, open_store_for_repair
-from ..db.errors import InvalidExportError
-from ..db.schemas import Dtype, OutDtype, StatsFormat
 from .render import (
     console,
     records_table,
@@ -31,8 +30,9 @@ from .render import (
     show_stats,
     to_json,
 )
+from ..db.schemas import ImportRule
 from ..db.store import Store
-from ..db.transfer import dump_export, parse_export, read_export_file
+from ..export import InvalidExportError, dump_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 
@@ -60,7 +60,7 @@ def _open(ctx: click.Context, *, create: bool = False, stores: bool = False) -> 
 
     ``stores``: the command writes, so an in-memory database is refused (exit 2).
     """
-    store = open_store(storing_db_url(ctx) if stores else db_url(ctx), create=create)
+    store = open_store(storing_db_url(ctx) if stores else db_url(ctx), create=create, config_type=KernelConfig)
     ctx.call_on_close(store.close)
     store.check()
     return store
@@ -79,15 +79,19 @@ def _bucketed(filters: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: A key's stats formats: each of the kernels', alone and with the scattered layout's suffix.
+_STATS_FORMATS = [*STATS_FORMAT_CODES, *(name + SCATTERED for name in STATS_FORMAT_CODES)]
+
+
 def _filters(function: Any) -> Any:
     """The filters shared by list, show, export and plot."""
     options = [
         click.option("--device", help="Part of the device name, any case (e.g. h200)."),
         click.option("--build", "build_hash", help="Kernel build hash."),
         click.option("--head-dim", type=int, help="Head dimension D."),
-        click.option("--dtype", type=click.Choice(typing.get_args(Dtype)), help="Dtype of the partials."),
-        click.option("--out-dtype", type=click.Choice(typing.get_args(OutDtype)), help="Output dtype."),
-        click.option("--stats-format", type=click.Choice(typing.get_args(StatsFormat)),
+        click.option("--dtype", type=click.Choice(PARTIAL_DTYPES), help="Dtype of the partials."),
+        click.option("--out-dtype", type=click.Choice(OUT_DTYPES), help="Output dtype."),
+        click.option("--stats-format", type=click.Choice(_STATS_FORMATS),
                      help="Stats format of the key (':scattered': stats of adjacent rows apart)."),
         click.option(
             "--num-splits", type=click.IntRange(min=1), help="Number of partials N (also finds its bucket's key)."
@@ -223,7 +227,7 @@ def _read_export(file: str) -> bytes:
 @click.argument("file", type=click.Path(allow_dash=True, path_type=str))
 @click.option(
     "--rule",
-    type=click.Choice(["newer", "replace", "keep"]),
+    type=click.Choice(typing.get_args(ImportRule)),
     default="newer",
     show_default=True,
     help="For a key already stored: newer = take the import only if its updated_at is later "
@@ -369,7 +373,8 @@ def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_j
     this kvsplit's schema, and missing tables are created. Never creates a
     database; a newer schema is left alone (exit 3).
     """
-    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run)
+    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run,
+                                                    config_type=KernelConfig)
     ctx.call_on_close(store.close)
     try:
         result = store.repair(quarantine_path, dry_run=dry_run)
@@ -402,8 +407,12 @@ def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
     One row of two heat maps (num_splits x rows) per device, build, head dim,
     dtypes and stats format.
     """
-    from .plot import FORMATS, MAX_GROUPS, plot_records
+    from .plot import FORMATS, MAX_GROUPS, matplotlib, plot_records
 
+    try:
+        matplotlib()
+    except ImportError as exc:
+        raise InvalidInput(str(exc)) from None
     if out_path.suffix.lower() not in FORMATS:
         raise InvalidInput(f"--out {printable(out_path)}: name a {', '.join(FORMATS)} file (the "
                            "suffix is the format written)")

@@ -15,9 +15,10 @@ from typing import Any
 
 import click
 
-from ..db.errors import DbWarning, InvalidExportError, StoreError
+from ..db.errors import DbWarning, StoreError
 from ..db.targets import parse_target, visible
 from ..dispatch import InvalidSetting
+from ..export import InvalidExportError
 from ..files import InputRefused
 from ..terminal import printable, printable_lines
 

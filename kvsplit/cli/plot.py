@@ -14,6 +14,20 @@ from pathlib import Path
 from ..terminal import printable
 from ..db.schemas import TuningRecord
 
+#: What ``kvsplit db plot`` says when matplotlib (the ``plot`` extra) is not installed.
+MISSING = "kvsplit db plot needs matplotlib, which is not installed; pip install 'kvsplit[plot]'"
+
+
+def matplotlib() -> tuple[type, type]:
+    """matplotlib's Agg canvas and Figure; ``ImportError`` with :data:`MISSING` when it is absent."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError(MISSING) from exc
+    return FigureCanvasAgg, Figure
+
+
 #: Beyond this many (device, build, head dim, dtypes, stats) groups the plot gets unreadable.
 MAX_GROUPS = 24
 
@@ -69,8 +83,7 @@ def plot_records(records: list[TuningRecord], out: Path, *, dpi: int = 100) -> i
     """
     if not records:
         raise ValueError("no tuning results to plot")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    FigureCanvasAgg, Figure = matplotlib()
 
     groups: dict[tuple, list[TuningRecord]] = defaultdict(list)
     for record in records:

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import installed
+from ..config import KernelConfig
 from .kit import DatabaseProblem, db_option, storing_db_url
 from ..terminal import text
 
@@ -96,7 +97,7 @@ def _work(device: str, keys: list[str], db_url: str | None, l2: str, force: bool
 
     # A stored row that does not parse counts as not stored: the key is tuned
     # again and the new row replaces it (with a warning naming the row).
-    store = open_store(db_url, on_damage="warn")
+    store = open_store(db_url, on_damage="warn", config_type=KernelConfig)
     target = torch.device(device)
     warm = target.type != "cuda"
 
@@ -262,7 +263,7 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     console = Console(stderr=True)
     targets = _devices(devices)
     db_url = storing_db_url(ctx)
-    with open_store(db_url) as store:  # fail fast, with the store's message, on a bad database
+    with open_store(db_url, config_type=KernelConfig) as store:  # fail fast, with the store's message, on a bad database
         damage = store.damage()
     if damage:
         warnings.warn(f"{store.url}: {len(damage)} row{'' if len(damage) == 1 else 's'} do not parse; tuning goes on and re-tunes any "
@@ -316,7 +317,7 @@ def _clear_pending(db_url, keys: list, outcomes: dict[str, tuple]) -> None:
     from ..db import open_store
     from ..dispatch import pending as pending_keys
 
-    with open_store(db_url, on_damage="warn") as store:
+    with open_store(db_url, on_damage="warn", config_type=KernelConfig) as store:
         pending_keys.clear([k for k in keys if outcomes[k.model_dump_json()][0] == "tuned"
                             or (outcomes[k.model_dump_json()][0] == "skipped"
                                 and (outcomes[k.model_dump_json()][2] or store.get(k) is not None))])
@@ -328,7 +329,7 @@ def _status(db_url, keys: list, as_json: bool) -> None:
     from .render import console as table_console
     from .render import show_progress, to_json
 
-    with open_store(db_url, on_damage="warn") as store:
+    with open_store(db_url, on_damage="warn", config_type=KernelConfig) as store:
         result = Claims(store).progress(keys)
     if as_json:
         click.echo(to_json(result))

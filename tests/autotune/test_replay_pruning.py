@@ -9,7 +9,7 @@ import pytest
 
 from kvsplit.autotune.tuner import prune
 from kvsplit.db import CandidateResult
-from kvsplit.db.transfer import read_export
+from kvsplit.export import read_export
 from kvsplit.dispatch.constraints import configs_for_key
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

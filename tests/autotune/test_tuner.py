@@ -22,8 +22,9 @@ from kvsplit.autotune import tuner
 from kvsplit.autotune.timing import Timing
 from kvsplit.autotune.tuner import NOISE_MARGIN, pick_winner, prune
 from kvsplit.config import build_hash
-from kvsplit.db import DeviceInfo, KernelConfig, TuningKey, TuningRecord, open_store
-from kvsplit.db.transfer import tool_version
+from kvsplit.db import DeviceInfo, TuningKey, TuningRecord, open_store
+from kvsplit.config import KernelConfig
+from kvsplit.export import tool_version
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch.constraints import configs_for_key, kvsplit_config, valid_kv_splits
 from kvsplit.dispatch.device import device_facts

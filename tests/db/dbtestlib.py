@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from kvsplit.db import CandidateResult, DeviceInfo, KernelConfig, TuningKey, TuningPolicy, TuningRecord
+from kvsplit.db import CandidateResult, DeviceInfo, TuningKey, TuningPolicy, TuningRecord
+
+from kvsplit.config import KernelConfig
 
 H200 = DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132)
 A100 = DeviceInfo(name="NVIDIA A100-SXM4-80GB", cc_major=8, cc_minor=0, sm_count=108)

@@ -1,4 +1,4 @@
-"""Claims, leases and progress (db/claims.py, db/progress.py), and the generation counter, on both backends."""
+"""Claims, leases and progress (db/claims.py), and the generation counter, on both backends."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from dbtestlib import H200, make_record
 
 from kvsplit.db import Claims, StoreError, open_store, open_store_for_library
-from kvsplit.db.progress import standing
+from kvsplit.db.claims import standing
 
 LEASE_S = 30.0
 
@@ -226,7 +226,7 @@ def test_standing_of_a_key():
 
 
 def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp_path):
-    from kvsplit.db import dump_export, make_export
+    from kvsplit.export import dump_export, make_export, parse_export
 
     assert store.generation() is None
     store.upsert(make_record(rows=1))
@@ -239,9 +239,9 @@ def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp
     assert store.generation() == 2
     export = tmp_path / "e.json"
     export.write_text(dump_export(make_export([make_record(rows=4)])))
-    store.import_records(export, dry_run=True)
+    store.import_records(parse_export(export), dry_run=True)
     assert store.generation() == 2
-    store.import_records(export)
+    store.import_records(parse_export(export))
     assert store.generation() == 3
     store.prune(older_than=timedelta(days=1), dry_run=True)
     assert store.generation() == 3

@@ -12,7 +12,8 @@ import pytest
 import sqlalchemy as sa
 from clirun import invoke
 from dbtestlib import A100, make_record
-from kvsplit.db import dump_export, make_export, open_store
+from kvsplit.db import open_store
+from kvsplit.export import dump_export, make_export
 from kvsplit.cli.db import db
 from kvsplit.db.engine import create_db_engine
 from kvsplit.db.migrate import VERSION_TABLE
@@ -210,6 +211,21 @@ def test_plot_refuses_a_name_it_cannot_honour(filled, tmp_path):
     assert not (tmp_path / "p.jpg").exists()
 
 
+def test_plot_without_matplotlib_names_the_extra_and_exits_2(filled, tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as when not installed
+    out = tmp_path / "p.png"
+    result = run("--db", filled, "plot", "--out", str(out))
+    assert result.exit_code == 2 and not out.exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install 'kvsplit[plot]'" in lines[0]
+
+
+def test_list_filters_take_every_stats_format_a_key_can_have(filled):
+    for stats_format in ("maxsum", "lse", "maxsum:scattered", "lse:scattered"):
+        assert run("--db", filled, "list", "--stats-format", stats_format).exit_code == 0
+
+
 def test_plot_panels_share_one_colour_scale(filled, tmp_path, monkeypatch):
     """Every group's speed-up panel maps the same value to the same colour."""
     from matplotlib.axes import Axes
@@ -318,7 +334,7 @@ def test_prune_stale_builds_keeps_the_installed_build_by_default(filled):
 def test_list_shows_every_winner_whole_on_one_line(width):
     from rich.console import Console
 
-    from kvsplit.db import KernelConfig
+    from kvsplit.config import KernelConfig
     from kvsplit.cli.render import records_table
 
     records = [

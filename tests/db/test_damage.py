@@ -11,7 +11,8 @@ import warnings
 import pytest
 import sqlalchemy as sa
 from dbtestlib import H200, make_record
-from kvsplit.db import DamagedRows, DbWarning, KernelConfig, open_store, open_store_for_library
+from kvsplit.config import KernelConfig
+from kvsplit.db import DamagedRows, DbWarning, open_store, open_store_for_library
 from kvsplit.db.engine import create_db_engine
 
 
@@ -39,7 +40,7 @@ def _caught(operation):
 
 
 def test_a_library_store_skips_the_row_with_one_warning_naming_it(damaged):
-    store = open_store_for_library(damaged)
+    store = open_store_for_library(damaged, config_type=KernelConfig)  # as the dispatcher opens it
     choices, first = _caught(lambda: store.load_choices(H200, "build-a"))
     assert {key[-1]: config.kv_split for key, config in choices.items()} == {2: 8, 3: 16}
     assert len(first) == 1

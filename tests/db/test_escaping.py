@@ -29,7 +29,8 @@ from rich.console import Console
 
 from kvsplit import info as info_module
 from kvsplit.cli import main
-from kvsplit.db import Claims, DeviceInfo, dump_export, make_export, open_store
+from kvsplit.db import Claims, DeviceInfo, open_store
+from kvsplit.export import dump_export, make_export
 from kvsplit.cli import db as db_cli
 from kvsplit.cli import plot as plot_module
 from kvsplit.cli import render

@@ -37,7 +37,9 @@ from click.testing import CliRunner
 from faultlib import add_claim, all_faults, cpu_records, fault_names, inject
 
 from kvsplit.cli import main
-from kvsplit.db import KernelConfig, dump_export, make_export, open_store
+from kvsplit.db import open_store
+from kvsplit.config import KernelConfig
+from kvsplit.export import dump_export, make_export
 from kvsplit.dispatch import dispatcher as dispatch_module
 
 FAULTS = {f.name: f for f in all_faults()}

@@ -7,7 +7,9 @@ import json
 
 from clirun import invoke
 from dbtestlib import make_record
-from kvsplit.db import CandidateResult, KernelConfig, dump_export, make_export, open_store, read_export
+from kvsplit.config import KernelConfig
+from kvsplit.db import CandidateResult, open_store
+from kvsplit.export import dump_export, make_export, read_export
 from kvsplit.cli.db import db
 
 FEW = KernelConfig.few(2)

@@ -28,8 +28,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvsplit import files
-from kvsplit.db import InvalidExportError, dump_export, make_export, open_store, parse_export
-from kvsplit.db import export_text
+from kvsplit.db import open_store
+from kvsplit.export import InvalidExportError, dump_export, make_export, parse_export
+from kvsplit import export_text
 from kvsplit.cli.db import db
 
 LIMIT_TEXT = "64 MiB"
@@ -193,7 +194,7 @@ def test_a_record_over_the_value_limit_is_not_parsed(monkeypatch):
 
 def test_an_unterminated_string_is_scanned_once():
     # Searching each of its 4 million quotes again for a string end was quadratic: hours, not a second.
-    code = ("from kvsplit.db import InvalidExportError, parse_export\n"
+    code = ("from kvsplit.export import InvalidExportError, parse_export\n"
             "try:\n    parse_export('{\"records\": [{\"a\": \"' + '\\\\\"' * 4_000_000)\n"
             "except InvalidExportError as error:\n    print(error.problems)\n")
     problems = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120,
@@ -227,7 +228,7 @@ def test_many_bad_records_take_little_memory():
     # One pydantic call over the whole file took about 1.5 GB for 2 MiB of this; record by record, ~0.
     code = (
         "import resource, sys\n"
-        "from kvsplit.db import InvalidExportError, parse_export\n"
+        "from kvsplit.export import InvalidExportError, parse_export\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "text = '{\"records\": [' + ','.join(['0'] * 300_000) + ']}'\n"
         "try:\n    parse_export(text)\nexcept InvalidExportError as error:\n    assert error.total == 300_000\n"

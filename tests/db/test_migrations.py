@@ -10,9 +10,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from dbtestlib import make_record
+from kvsplit.config import KernelConfig
 from kvsplit.db import (
     DbWarning,
-    KernelConfig,
     SchemaTooNew,
     StoreError,
     head_revision,
@@ -99,7 +99,7 @@ def test_revision_1_with_data_is_upgraded_in_place(db_url):
     _build_revision_1(db_url)
     assert _revision(db_url) == "0001"
     with pytest.warns(DbWarning, match="from schema revision 0001 to 0003") as caught:
-        store = open_store(db_url)
+        store = open_store(db_url, config_type=KernelConfig)
     assert len(caught) == 1
     records = {r.key.rows: r for r in store.query()}
     assert sorted(records) == [64, 4096]
@@ -176,7 +176,7 @@ def test_a_database_from_before_the_dsplit_family_still_serves_its_choices(db_ur
 
     _build_revision_1(db_url)
     with pytest.warns(DbWarning):
-        store = open_store(db_url)
+        store = open_store(db_url, config_type=KernelConfig)  # as the dispatcher opens it
     h200 = DeviceInfo(name="NVIDIA H200", cc_major=9, cc_minor=0, sm_count=132)
     before = store.load_choices(h200, "build-a")
     assert sorted(w.kv_split for w in before.values()) == [1, 8]

@@ -11,11 +11,11 @@ from dbtestlib import H200, make_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvsplit import _native
+from kvsplit.config import FAMILIES, KernelConfig
+from kvsplit.export import parse_export
 from kvsplit.db import (
-    FAMILIES,
     CandidateResult,
     DeviceInfo,
-    KernelConfig,
     TuningKey,
     TuningPolicy,
     TuningRecord,
@@ -47,10 +47,11 @@ def test_every_kv_split_is_a_valid_config(k):
 def test_invalid_configs_are_refused(family, params, message):
     with pytest.raises(ValueError, match=message):
         KernelConfig(family=family, params=params)
-    # Inside a record, the same problem is a validation error of that record.
+    # Inside a record validated against the kernel layer, the same problem is a validation error of that record.
     with pytest.raises(ValidationError, match=message):
-        CandidateResult(config={"family": family, "params": params}, median_us=1.0, p10_us=1.0,
-                        p90_us=1.0, samples=1, matched=True)
+        CandidateResult.model_validate({"config": {"family": family, "params": params}, "median_us": 1.0,
+                                        "p10_us": 1.0, "p90_us": 1.0, "samples": 1, "matched": True},
+                                       context={"config": KernelConfig})
 
 
 def test_the_family_registry_is_the_kernel_layers_and_a_second_family_round_trips():
@@ -156,7 +157,7 @@ def test_any_valid_records_round_trip_through_store_and_export(records):
         store.upsert_many(records)
         latest = {r.key: r for r in records}  # later upserts of a key replace earlier ones
         assert {r.key: r.candidates for r in store.query()} == {k: r.candidates for k, r in latest.items()}
-        other.import_records(store.export_records().model_dump_json())
+        other.import_records(parse_export(store.export_records().model_dump_json()))
         assert other.query() == store.query()
 
 

@@ -7,7 +7,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import sqlalchemy as sa
 from dbtestlib import A100, H200, make_record
-from kvsplit.db import KernelConfig, TuningKey, open_store
+from kvsplit.db import TuningKey, open_store
+from kvsplit.config import KernelConfig
 
 
 def test_upsert_then_get_round_trips_every_field(store):

@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 
 import kvsplit
 from kvsplit.cli import main
-from kvsplit.db import DbWarning, dump_export, make_export, open_store
+from kvsplit.db import DbWarning, open_store
+from kvsplit.export import dump_export, make_export
 from kvsplit.dispatch import dispatcher as dispatch_module
 
 # Targets that name nothing kvsplit can open, each for a different reason.

@@ -7,7 +7,8 @@ import re
 
 import pytest
 from dbtestlib import A100, make_record
-from kvsplit.db import InvalidExportError, dump_export, open_store, parse_export, read_export
+from kvsplit.db import open_store
+from kvsplit.export import InvalidExportError, dump_export, parse_export, read_export
 
 
 def _export_dict(records) -> dict:
@@ -26,7 +27,7 @@ def test_export_then_import_into_an_empty_database(store, db_url, tmp_path, days
     assert len(data["records"]) == 3
 
     with open_store(f"sqlite:///{tmp_path / 'other.sqlite'}") as other:
-        summary = other.import_records(path)
+        summary = other.import_records(parse_export(path))
         assert (summary.inserted, summary.replaced, summary.kept) == (3, 0, 0)
         assert other.query() == store.query()  # every field, timestamps included
 
@@ -56,7 +57,7 @@ def test_import_merge_rules_into_a_non_empty_database(store, days, rule, expect_
         make_record(rows=2, winner=16, updated_at=days(5)),
         make_record(rows=3, winner=16, updated_at=days(1)),
     ]
-    summary = store.import_records(json.dumps(_export_dict(incoming)), rule=rule)
+    summary = store.import_records(parse_export(json.dumps(_export_dict(incoming))), rule=rule)
     assert (summary.inserted, summary.replaced, summary.kept) == counts
     assert {r.key.rows: r.winner.kv_split for r in store.query()} == expect_rows_winner
     if rule == "newer":
@@ -144,7 +145,7 @@ def test_invalid_import_names_record_and_field_and_writes_nothing(store, days, c
     doc["records"][1]["updated_at"] = days(99).isoformat()  # would replace the stored rows=2
     text = json.dumps(change(doc))  # json writes NaN/Infinity literally, as Python would
     with pytest.raises(InvalidExportError) as info:
-        store.import_records(text, rule="replace")
+        store.import_records(parse_export(text), rule="replace")
     assert any(re.search(expected, p) for p in info.value.problems), info.value.problems
     assert store.query() == before
 

@@ -19,7 +19,8 @@ import kvsplit
 from kvsplit import merge as merge_module
 from kvsplit.config import build_hash
 from kvsplit.autotune import tuner
-from kvsplit.db import KernelConfig, TuningPolicy, TuningRecord, open_store
+from kvsplit.db import TuningPolicy, TuningRecord, open_store
+from kvsplit.config import KernelConfig
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
 from kvsplit.dispatch.constraints import KVSPLIT

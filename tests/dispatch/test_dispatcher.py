@@ -21,8 +21,9 @@ import torch
 
 import kvsplit
 from kvsplit.autotune import tuner
-from kvsplit.config import build_hash
-from kvsplit.db import DbWarning, DeviceInfo, KernelConfig, dump_export, make_export, open_store
+from kvsplit.config import KernelConfig, build_hash
+from kvsplit.db import DbWarning, DeviceInfo, open_store
+from kvsplit.export import dump_export, make_export
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
 from kvsplit.dispatch.constraints import (DSPLIT, KV_SPLITS, constrain, kvsplit_config,
@@ -180,7 +181,7 @@ def test_max_split_does_not_leak_into_the_shared_database(monkeypatch, call, iso
     assert call(num_splits=32, rows=8)[0] == 1
     key = keys.key_for(64, 32, 8)
     valid = valid_kv_splits(head_dim=64, elem_bytes=2, rows=8, num_splits=32, sm_count=None)
-    with open_store(isolated.url) as store:
+    with open_store(isolated.url, config_type=KernelConfig) as store:  # as the dispatcher opens it
         record = store.get(key)
     if record is not None:
         assert sorted(c.config.kv_split for c in record.candidates) == valid

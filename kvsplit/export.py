@@ -1,34 +1,74 @@
-"""The JSON export format: validated reading and stable writing.
+"""The JSON export format of the tuning store: validated reading and stable writing.
 
 ``{"format": "kvsplit-tuning", "version": 1, "exported_at": ..., "tool_version": ...,
 "records": [TuningRecord, ...]}``.  Reading validates the whole file before
-anything is written anywhere, record by record (:mod:`.export_text`), and
-reports the problems with the index of the record and the field.
+anything is written anywhere, record by record (:mod:`.export_text`), configs
+against the kernel layer's vocabulary (:class:`~kvsplit.config.KernelConfig`),
+and reports the problems with the index of the record and the field.  The
+store (:meth:`kvsplit.db.Store.import_records`) takes what this returns.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import BinaryIO
 
 from pydantic import ValidationError
 
-from ..files import IMPORT_LIMIT, read_capped, read_regular
-from .errors import InvalidExportError
+from .config import KernelConfig
+from .db.schemas import ExportFile, TuningRecord, tool_version
 from .export_text import ExportText
-from .schemas import ExportFile, TuningRecord
+from .files import IMPORT_LIMIT, read_capped, read_regular
+
+__all__ = ["InvalidExportError", "dump_export", "make_export", "parse_export", "read_export", "read_export_file",
+           "tool_version"]
+_KERNEL = {"config": KernelConfig}
 
 
-def tool_version() -> str:
-    """The installed kvsplit version, or ``"unknown"`` when running from a source tree."""
-    try:
-        return metadata.version("kvsplit")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+class InvalidExportError(ValueError):
+    """An export file failed validation; nothing was written.
+
+    Attributes
+    ----------
+    problems : list of str
+        One line per problem, each naming the record index and the field;
+        the first 100 problems only when there are more.
+    total : int
+        How many problems were found in all.
+    invalid_records : int
+        How many records have at least one.
+    """
+
+    def __init__(self, problems: list[str], *, total: int | None = None, invalid_records: int | None = None) -> None:
+        self.problems = list(problems)
+        self.total = len(self.problems) if total is None else total
+        self.invalid_records = len(_records_named(self.problems)) if invalid_records is None else invalid_records
+        super().__init__("invalid tuning export: " + "; ".join(self.report()))
+
+    def report(self, shown: int = 5) -> list[str]:
+        """The first ``shown`` problems, then one line counting the rest (and the records they are in)."""
+        lines = self.problems[:shown]
+        more = self.total - len(lines)
+        if more > 0:
+            records = self.invalid_records - len(_records_named(lines))
+            lines.append(f"... and {_count(more, 'more problem')}"
+                         + (f" in {_count(records, 'more record')}" if records > 0 else ""))
+        return lines
+
+
+_RECORD = re.compile(r"record (\d+)\b")
+
+
+def _records_named(problems: list[str]) -> set[str]:
+    return {match.group(1) for match in map(_RECORD.match, problems) if match}
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _where(loc: tuple) -> str:
@@ -126,7 +166,7 @@ def parse_export(source: str | bytes | Path) -> ExportFile:
     records = []
     for index, record_text in walk.records():
         try:
-            records.append(TuningRecord.model_validate_json(record_text))
+            records.append(TuningRecord.model_validate_json(record_text, context=_KERNEL))
         except ValidationError as error:
             problems.add_validation(error, ("records", index))
     # The other members, validated together; an unknown one as null (it is reported by name only).

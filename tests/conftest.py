@@ -180,6 +180,29 @@ def cuda_device() -> str:
     return "cuda"
 
 
+def assert_empty_rows_and_nan_row(fmt, gen, num_splits, rows, head_dim, device, poisoned_row):
+    """Raw-stats merge of random scale and empty splits (-inf stats): row 0 has every split
+    empty and merges to zeros; then a NaN stat (the max, or the LSE) in ``poisoned_row``
+    poisons that row and no other. The kernel config is the caller's (pinned)."""
+    partial_o, stats = partials(fmt, num_splits, rows, head_dim, torch.bfloat16, gen,
+                                empty_fraction=0.3)
+    if fmt == "maxsum":
+        stats[:, 0] = torch.tensor([-math.inf, 0.0])
+    else:
+        stats[:, 0] = -math.inf
+    scale = scale_log2(gen)
+    out, out_stats = merge(fmt, partial_o.to(device), stats.to(device), scale=scale)
+    assert_matches_reference(out, out_stats, *merge_reference(fmt, partial_o, stats, scale=scale))
+    assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
+    poisoned = stats.clone()
+    poisoned[num_splits // 2, poisoned_row] = math.nan
+    bad_out, bad_stats = merge(fmt, partial_o.to(device), poisoned.to(device), scale=scale)
+    others = torch.arange(rows) != poisoned_row
+    assert bad_out[poisoned_row].isnan().all()
+    assert torch.equal(bad_out[others].cpu(), out[others].cpu())
+    assert torch.equal(bad_stats[others].cpu(), out_stats[others].cpu())
+
+
 @pytest.fixture(scope="session")
 def merge_kit():
     """The helpers above, as one namespace (see the module docstring)."""
@@ -187,6 +210,7 @@ def merge_kit():
         generator=generator, partials=partials, scale_log2=scale_log2, merge=merge,
         reference=merge_reference, log_totals=log_totals,
         assert_matches_reference=assert_matches_reference,
+        assert_empty_rows_and_nan_row=assert_empty_rows_and_nan_row,
         assert_same_function=assert_same_function, expected_kv_split=expected_kv_split,
         stats_kind=stats_kind, bases=BASES)
 

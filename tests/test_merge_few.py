@@ -185,26 +185,9 @@ def test_raw_stats_empty_rows_and_nan(device, fmt, merge_kit, chosen_kv_split, m
     for config in configs:
         gen = merge_kit.generator("few-nan", fmt, config.vectors)
         num_splits = int(torch.randint(2, 17, (), generator=gen))
-        partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, torch.bfloat16,
-                                              gen, empty_fraction=0.3)
-        if fmt == "maxsum":
-            stats[:, 0] = torch.tensor([-math.inf, 0.0])
-        else:
-            stats[:, 0] = -math.inf
-        scale = merge_kit.scale_log2(gen)
         pin(monkeypatch, config)
-        out, out_stats = merge_kit.merge(fmt, partial_o.to(device), stats.to(device), scale=scale)
-        merge_kit.assert_matches_reference(out, out_stats, *merge_kit.reference(
-            fmt, partial_o, stats, scale=scale))
-        assert torch.equal(out[0].cpu(), torch.zeros(head_dim, dtype=out.dtype))
-        poisoned = stats.clone()
-        poisoned[num_splits // 2, poisoned_row] = math.nan
-        bad_out, bad_stats = merge_kit.merge(fmt, partial_o.to(device), poisoned.to(device),
-                                             scale=scale)
-        others = torch.arange(rows) != poisoned_row
-        assert bad_out[poisoned_row].isnan().all()
-        assert torch.equal(bad_out[others].cpu(), out[others].cpu())
-        assert torch.equal(bad_stats[others].cpu(), out_stats[others].cpu())
+        merge_kit.assert_empty_rows_and_nan_row(fmt, gen, num_splits, rows, head_dim, device,
+                                                poisoned_row)
     assert chosen_kv_split == [c for c in configs for _ in range(2)]
 
 

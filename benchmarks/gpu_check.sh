@@ -4,6 +4,7 @@
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
 #   stages: build tests all-tests few-tests bench bench_few lab_few tune tune-adapters
 #   tune-coverage demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
+#   (or benchmarks/lab/NAME.py)
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   ptx80: a build whose only CUDA code is PTX for compute_80 (the driver compiles it for
 #   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
@@ -161,7 +162,8 @@ print('from the wheel:', kvsplit.__file__, e.cuda_architectures)" || exit 1
       python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *)
-      script=$(ls "benchmarks/$stage.py" "benchmarks/$stage/$stage.py" 2>/dev/null | head -1)
+      script=$(ls "benchmarks/$stage.py" "benchmarks/$stage/$stage.py" "benchmarks/lab/$stage.py" \
+        2>/dev/null | head -1)
       if [ -n "$script" ]; then
         python3 -P "$script" --out "$OUT" 2>&1 | tee -a "$LOG" | tail -40
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

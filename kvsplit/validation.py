@@ -136,7 +136,7 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
             raise ValueError(f"sinks has {sinks.numel()} heads but partial_o has {row_shape[-1]}")
         _check_tensor("sinks", sinks, _STATS_DTYPES, tuple(sinks.shape), device, 0)
     if split_counts is not None:
-        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, row_shape, device, 0)
+        _check_tensor("split_counts", split_counts, _COUNT_DTYPES, row_shape, device, None)
         if not split_counts.is_contiguous():
             raise ValueError(f"split_counts must be contiguous (rows in order), got strides "
                              f"{split_counts.stride()}")

@@ -327,6 +327,47 @@ def test_offsets_past_2_to_the_31(cuda_device, vectors, merge_kit, chosen_kv_spl
     assert chosen_kv_split == [config]
 
 
+def layouts(num_splits, tokens, heads, head_dim, gen):
+    """(name, partials, LSE) of one problem, (num_splits, tokens, heads, D), in the layouts
+    the kernels address differently: split-major (flat rows), token-major partials with a
+    head-major LSE, and heads sliced out of more (a token stride that is not heads head
+    strides): the last two (token, head) rows."""
+    o = torch.randn(num_splits, tokens, heads, head_dim, generator=gen).bfloat16()
+    lse = 3 * torch.randn(num_splits, tokens, heads, generator=gen)
+    lse[torch.rand(lse.shape, generator=gen) < 0.2] = -math.inf
+    token_major = o.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
+    head_major = lse.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    more = torch.zeros(num_splits, tokens, heads + 3, head_dim, dtype=o.dtype)
+    more[:, :, 1:heads + 1] = o
+    return [("split-major", o, lse), ("token-major", token_major, head_major),
+            ("sliced", more[:, :, 1:heads + 1], lse)]
+
+
+@pytest.mark.parametrize("vectors", [1, 2, 4])
+def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch):
+    """A call with nothing but states to merge takes the lean kernel; the same call with
+    every row's split count at the call's takes the general one. Both merge the same rounds
+    in the same order: the same bits, output and exported LSE, in every layout, against the
+    float64 reference."""
+    config = KernelConfig.few(vectors)
+    pin(monkeypatch, config)
+    for num_splits in (2, 5, 16, 19):
+        gen = torch.Generator().manual_seed(100 * vectors + num_splits)
+        tokens, heads, head_dim = 7, 5, 128
+        for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen):
+            ref, ref_lse = reference.merge_lse_reference(
+                o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e)
+            counts = torch.full((tokens, heads), num_splits, dtype=torch.int32)
+            runs = [kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, return_lse=True,
+                                      split_counts=c) for c in (None, counts.to(device))]
+            (lean, lean_lse), (general, general_lse) = runs
+            assert torch.equal(lean, general) and torch.equal(lean_lse, general_lse), name
+            torch.testing.assert_close(lean.cpu().double().reshape(-1, head_dim), ref,
+                                       rtol=2 ** -8, atol=1e-5)
+            torch.testing.assert_close(lean_lse.cpu().double().reshape(-1),
+                                       ref_lse.float().double(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["few:3", "few", "few:", "few:1:2", "few:8", "few:-1"])
 def test_a_bad_mode_is_refused_naming_the_variable(mode, merge_kit, monkeypatch):
     partial_o, stats = merge_kit.partials("maxsum", 4, 4, 128, torch.bfloat16,

@@ -182,6 +182,137 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   }
 }
 
+// The lean kernel: the calls engines make most, with nothing else in the
+// way. Every row merges all num_splits states (no row mask, split counts,
+// indptr or pass-through rows), rows are (token, head) with a stride each per
+// tensor, the output is in the partials' dtype with no FP8 scale, no sinks,
+// and one pass of the grid covers the call (few_lean_call). The general
+// kernel serves the same calls with the same results (the same rounds in the
+// same order); what it adds for the others (a loop over passes, 64-bit row
+// arithmetic, branches to the pass-through rows, sinks, an output-dtype switch
+// and FP8 scaling) costs a decode-sized launch about half a microsecond and a
+// large L2-resident one over half its time (benchmarks/lab/lab_fixed.py).
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors>
+__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
+    few_lean_kernel(const MergeParams p, const FewGeometry geo) {
+  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kElems = kVec * kVectors;
+  using Partial = typename CudaType<kPartial>::type;
+
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row = geo.lanes.div(thread);
+  const int lanes = static_cast<int>(geo.lanes.divisor);
+  const int lane = static_cast<int>(thread - row * geo.lanes.divisor);
+  const auto token = static_cast<int32_t>(geo.heads.div(row));
+  const auto head = static_cast<int32_t>(row - token * geo.heads.divisor);
+  const bool active = row < p.rows;
+  bool holds[kVectors];
+#pragma unroll
+  for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < geo.row_vectors;
+
+  pdl_wait();
+  // Row offsets in 32 bits (few_lean_call checks that they fit).
+  const Partial* o = static_cast<const Partial*>(p.partial_o) +
+                     (token * static_cast<int32_t>(p.o_row.token) +
+                      head * static_cast<int32_t>(p.o_row.head) + lane * kVec);
+  const float* s = p.stats + (token * static_cast<int32_t>(p.stats_row.token) +
+                              head * static_cast<int32_t>(p.stats_row.head));
+  MergeState<kElems> state;
+  state.reset();
+  const int count = active ? static_cast<int>(p.num_splits) : 0;
+  // The first round outside the loop: most calls have no other.
+  merge_few_round<kDepth, kVectors, kPartial, kFormat>(state, o, s, count, p.o_stride_split,
+                                                       p.stats_stride_split, lanes * kVec, holds,
+                                                       p.log2_scale, p.empty_stat);
+  for (int done = kDepth; done < count; done += kDepth) {
+    o += kDepth * p.o_stride_split;
+    s += kDepth * p.stats_stride_split;
+    merge_few_round<kDepth, kVectors, kPartial, kFormat>(
+        state, o, s, count - done, p.o_stride_split, p.stats_stride_split, lanes * kVec, holds,
+        p.log2_scale, p.empty_stat);
+  }
+  pdl_trigger();
+
+  float out[kElems], log2_rel;
+  const float total = state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
+  if (p.stats_in_place) __syncwarp();  // as in few_kernel
+  if (!active) return;
+  const int32_t out_row =
+      token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
+#pragma unroll
+  for (int u = 0; u < kVectors; ++u) {
+    if (!holds[u]) continue;
+    float vector[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) vector[v] = out[u * kVec + v];
+    store_out<kVec, kPartial>(p.out, out_row + (lane + u * lanes) * kVec, vector);
+  }
+  if (lane == 0 && p.out_stats != nullptr) {
+    export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel, nullptr);
+  }
+}
+
+// Row strides over (token, head) with token = batch * seqlen + token, or
+// false where the batch stride is not seqlen token strides.
+inline bool fold_batches(const RowStrides& s, int64_t batches, int64_t seqlen, RowStrides& folded) {
+  if (seqlen == 1) {
+    folded = RowStrides{0, s.batch, s.head};
+  } else if (batches <= 1 || s.batch == seqlen * s.token) {
+    folded = RowStrides{0, s.token, s.head};
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Whether every row offset of a tensor of `tokens` x `heads` rows of
+// `row_elems` elements with row strides `s` fits 32 bits.
+inline bool row_offsets_fit(const RowStrides& s, int64_t tokens, int64_t heads, int64_t row_elems) {
+  const auto span = [](int64_t count, int64_t stride) {
+    return (count - 1) * (stride < 0 ? -stride : stride);
+  };
+  return span(tokens, s.token) + span(heads, s.head) + row_elems <= INT32_MAX;
+}
+
+// Whether a call (after flatten_rows) of `threads` threads takes the lean
+// kernel; if so, `lean` is the call with every tensor's rows at (0, token,
+// head), each row's offsets within 32 bits, and `heads` the heads per token.
+inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& lean,
+                          uint32_t& heads) {
+  if (p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
+      p.pass_through_tokens != INT64_MAX || p.sinks != nullptr || p.out_scale != nullptr ||
+      p.group_scales != nullptr || p.out_dtype != p.partial_dtype ||
+      threads > kFewMaxGridThreads || p.heads < 1 || p.heads > INT32_MAX || p.seqlen < 1) {
+    return false;
+  }
+  lean = p;
+  if (p.flat_rows) {
+    heads = 1;
+    lean.o_row = RowStrides{0, p.o_row.head, 0};
+    lean.stats_row = RowStrides{0, p.stats_row.head, 0};
+    lean.out_row = RowStrides{0, p.out_row.head, 0};
+    lean.out_stats_row = RowStrides{0, p.out_stats_row.head, 0};
+    return true;
+  }
+  heads = static_cast<uint32_t>(p.heads);
+  const int64_t batches = p.rows / (p.seqlen * p.heads);
+  return fold_batches(p.o_row, batches, p.seqlen, lean.o_row) &&
+         fold_batches(p.stats_row, batches, p.seqlen, lean.stats_row) &&
+         fold_batches(p.out_row, batches, p.seqlen, lean.out_row) &&
+         (p.out_stats == nullptr ||
+          fold_batches(p.out_stats_row, batches, p.seqlen, lean.out_stats_row));
+}
+
+inline bool few_lean_call(const MergeParams& p, int64_t threads, MergeParams& lean,
+                          uint32_t& heads) {
+  if (!few_lean_rows(p, threads, lean, heads)) return false;
+  const int64_t tokens = p.rows / heads;
+  return row_offsets_fit(lean.o_row, tokens, heads, p.head_dim) &&
+         row_offsets_fit(lean.stats_row, tokens, heads, 2) &&
+         row_offsets_fit(lean.out_row, tokens, heads, p.head_dim) &&
+         (p.out_stats == nullptr || row_offsets_fit(lean.out_stats_row, tokens, heads, 2));
+}
+
 // Launches a checked Few config (check_config, check_call) on rows > 0.
 template <DType kPartial, StatsFormat kFormat>
 Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
@@ -191,9 +322,12 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
   const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr &&
                      p.indptr == nullptr && p.pass_through_tokens == INT64_MAX;
+  MergeParams lean;
+  uint32_t heads = 1;
+  const bool is_lean = few_lean_call(p, p.rows * lanes, lean, heads);
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
                         p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
-                        plain};
+                        plain, FastDivmod(heads)};
   PdlLaunch launch(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(shape.cta_threads), 0,
                    stream, pdl);
   Status status;
@@ -201,8 +335,11 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
     KVSPLIT_DISPATCH_FEW_VECTORS(config.vectors, kVectors, status, {
       if constexpr (few_loads_fit(kDepth, kVectors)) {
-        error = cudaLaunchKernelEx(&launch.config,
-                                   few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
+        error = is_lean ? cudaLaunchKernelEx(&launch.config,
+                                             few_lean_kernel<kPartial, kFormat, kDepth, kVectors>,
+                                             lean, geo)
+                        : cudaLaunchKernelEx(&launch.config,
+                                             few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
       } else {
         status = fail(Error::kVectors, kVectors);
       }

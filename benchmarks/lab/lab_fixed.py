@@ -1,0 +1,85 @@
+"""Fixed cost of a small Few launch: the product kernel beside lab kernels that add one of
+its parts at a time to a bare two-state merge (lab_fixed.cu says which), the serial Triton
+peer, the read probe and an empty kernel, at decode sizes, N = 2.
+
+    python -P benchmarks/lab/lab_fixed.py [--out DIR]
+
+us per launch, graph replay in turns, L2-warm; every output checked against float64 first.
+Needs torch (and triton for the peer); the package does not have to be installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import labkit  # noqa: E402
+
+timing = labkit.load("lab_timing", "autotune/timing.py")
+peers = labkit.load("lab_peers", "benchmarks/peers.py")
+
+VARIANTS = ["bare", "ex", "pdl", "bigp", "any", "general", "product"]
+SHAPES = [(8, 128), (32, 128), (128, 128), (512, 128), (4096, 128), (32768, 128), (16, 512),
+          (1024, 512)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
+    args = parser.parse_args()
+    lib = ctypes.CDLL(str(labkit.build("fixed", "", ["benchmarks/lab/lab_fixed.cu",
+                                                     "csrc/cuda/probe.cu"])))
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    timing.spin_up_gpu()
+    g = torch.Generator().manual_seed(0)
+
+    def stream():
+        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    names = ["noop", "read", "triton"] + VARIANTS
+    lines = ["| rows | D | " + " | ".join(names) + " | product - bare |",
+             "|---" * (len(names) + 3) + "|"]
+    for rows, head_dim in SHAPES:
+        lse = (torch.randn(2, rows, generator=g) * 2).cuda()
+        o = torch.randn(2, rows, head_dim, generator=g).cuda().bfloat16()
+        out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
+        weights = torch.softmax(lse.double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), 0)
+        reference = (weights.unsqueeze(-1) * o.double()).sum(0)
+        p = labkit.row_params(o, lse, out, stats_format=1, log2_scale=1.0, export_scale=1.0)
+        runs = {}
+        for k, name in enumerate(VARIANTS):
+            def run(i, k=k):
+                status = lib.lab_fixed(ctypes.byref(p), k, sm_count, stream())
+                assert status == 0, status
+            out.fill_(float("nan"))
+            run(0)
+            torch.cuda.synchronize()
+            error = (out.double() - reference).abs().max().item()
+            assert error < 2e-2, (name, error)
+            runs[name] = run
+        runs["noop"] = lambda i: lib.lab_fixed_noop(1, stream())
+        runs["read"] = lambda i: lib.lab_fixed_read(
+            ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
+            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
+            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+        runs["triton"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0)
+        launch_us = (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0
+        times = {key: t.median_us for key, t in timing.time_cuda_graphs(
+            runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}
+        lines.append(f"| {rows} | {head_dim} | " + " | ".join(f"{times[n]:.2f}" for n in names)
+                     + f" | {times['product'] - times['bare']:+.2f} |")
+        print(lines[-1], flush=True)
+    text = "us per launch, N = 2, bf16, graph replay in turns, L2-warm\n" + "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lab_fixed.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

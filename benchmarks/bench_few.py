@@ -123,7 +123,9 @@ def bench_shape(tokens, heads, head_dim, n, generator, store, failures):
     peer_fns = {"fiN": lambda: peers_cuda.states_flashinfer(o, lse, out)}
     if n == 2:
         peer_fns["vllm"] = lambda: peers_cuda.two_state_vllm(o[0], lse[0], o[1], lse[1], out)
-        peer_fns["fi2"] = lambda: peers_cuda.two_state_flashinfer(o[0], lse[0], o[1], lse[1], out)
+        if head_dim in (64, 128, 256, 512):  # FlashInfer's two-state merge takes these alone
+            peer_fns["fi2"] = lambda: peers_cuda.two_state_flashinfer(o[0], lse[0], o[1], lse[1],
+                                                                      out)
     if head_dim & (head_dim - 1) == 0:  # the serial Triton merge takes powers of two only
         flat_o, flat_lse = o.view(n, tokens * heads, head_dim), lse.view(n, tokens * heads)
         peer_fns["triton"] = lambda: peers.triton_merge(flat_o, flat_lse, out.view(-1, head_dim),

@@ -127,6 +127,7 @@ def test_info_reports_an_invalid_setting_and_exits_2(env, monkeypatch, name, val
     assert facts[shown].startswith(f"invalid: {name} must be")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [("demo", "--device", "cpu"),
                                      ("tune", "--head-dim", "64", "--num-splits", "2", "--rows",
                                       "32", "--devices", "cpu")])

@@ -14,6 +14,7 @@ WRITERS = 8
 UPSERTS = 500
 
 
+@pytest.mark.slow
 def test_parallel_upserts_and_a_consistent_reader(db_url, capsys):
     open_store(db_url).close()  # create the schema up front; racing creators are another test
     ctx = multiprocessing.get_context("spawn")

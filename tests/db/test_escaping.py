@@ -80,6 +80,7 @@ def _fill(url: str, name: str, build: str, tool: str, owner: str, error: str):
     return record
 
 
+@pytest.mark.slow
 @settings(max_examples=50, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(name=names, build=names, tool=names, owner=names, error=names)

@@ -271,6 +271,7 @@ def test_every_command_survives_the_fault_and_repair_loses_nothing_else(dbs, fau
 # -- (a) merges in a new process ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_merges_in_a_new_process_are_right_and_warn_at_most_once(dbs, tmp_path):
     urls, applied = [], []
     for fault in FAULTS.values():

@@ -101,6 +101,7 @@ _NAMES = st.text(st.sampled_from(list(string.printable) + ["\x00", "\x1b", "é",
                  min_size=0, max_size=140)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=_NAMES)
 def test_random_device_names_import_alike_on_sqlite_and_postgresql(pg_url, tmp_path_factory, name):

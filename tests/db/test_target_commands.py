@@ -256,6 +256,7 @@ def test_random_targets_through_the_commands_exit_0_2_or_3_with_one_line(place, 
     assert not Path(place.cwd / ":memory:").exists()
 
 
+@pytest.mark.slow
 def test_kvsplit_db_in_the_environment_in_real_processes(place):
     """The installed command, as a user's shell runs it, with the target in KVSPLIT_DB."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPLIT_")}

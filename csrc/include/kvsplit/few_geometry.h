@@ -18,7 +18,7 @@ namespace kvsplit {
 constexpr int kFewVectorBytes = 16;  // a thread's load of one state's vector
 // depth * vectors: the 16-byte loads a thread holds in registers per round,
 // at most this many with several vectors a thread; one vector a thread takes
-// any depth (16 states in one round trip, for decode). Seven kernels per
+// any depth (16 states in one round trip, for decode). Seven (depth, vectors) pairs per
 // (partial dtype, stats format) instead of nine: the build's time.
 constexpr int kFewMaxLoads = 8;
 

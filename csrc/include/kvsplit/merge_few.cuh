@@ -22,7 +22,8 @@
 //
 // The depth and `vectors` are template arguments (a thread's loads live in
 // registers): the pairs of config.h's FewDepths x FewVectors that
-// few_loads_fit, seven kernels per (partial dtype, stats format).
+// few_loads_fit, seven per (partial dtype, stats format), each as the lean kernel
+// and the general one (few_lean_kernel below says which calls take which).
 #pragma once
 
 #include <cstdint>

@@ -123,12 +123,12 @@ print('ptx80 build', e.cuda_build_hash, e.cuda_architectures)" 2>&1 | tee -a "$L
         2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     wheel-build)
-      # The binary wheel for this machine's Python, every architecture (auditwheel is not
-      # there: the wheel keeps the linux_x86_64 tag, which pip installs locally).
+      # The binary wheel for this machine's Python, every architecture, tagged
+      # manylinux_2_28_x86_64 by the auditwheel that .whl carries.
       start=$(date +%s)
       packaging/build_wheel.sh --no-isolation --out /tmp/kvsplit-dist > /tmp/kvsplit-wheel.log 2>&1 ||
         { tail -40 /tmp/kvsplit-wheel.log | tee -a "$LOG"; status=1; continue; }
-      grep -E "^(nvcc|architectures|built in|---|NEEDED|newest|  machine code|  PTX|wheel:)" \
+      grep -E "^(nvcc|architectures|built in|---|NEEDED|newest|  machine code|  PTX|wheel:|no auditwheel)" \
         /tmp/kvsplit-wheel.log | tee -a "$LOG"
       echo "wheel-build: $(($(date +%s) - start)) s on $(nproc) cores" | tee -a "$LOG" ;;
     wheel)

@@ -24,11 +24,20 @@
 # After each build the wheel is checked: its size (PyPI's default limit is
 # 100 MB), no kvsplit._bench, no shared-library dependency on torch, c10 or the
 # CUDA runtime, machine code for each architecture (cuobjdump --list-elf, when
-# cuobjdump is found) and PTX for the newest (--list-ptx). auditwheel, when
-# found, repairs the wheel to the platform tag it qualifies for: inside the
-# manylinux_2_28 image that is manylinux_2_28_x86_64; on another host the tag
-# follows that host's glibc and libstdc++ (built on glibc 2.36:
-# manylinux_2_34 or later), and without auditwheel the wheel keeps the plain
+# cuobjdump is found), PTX for the newest (--list-ptx), and what sets the tag.
+#
+# The platform tag: manylinux_2_28_x86_64 (glibc 2.28 and later: RHEL 8, Ubuntu
+# 20.04, Debian 11) from any x86_64 Linux host, no manylinux image needed. The
+# wheel's CMake option KVSPLIT_OLDEST_GLIBC=2.28 links _ext against stand-ins
+# for the C library that carry only glibc 2.28's symbol versions
+# (packaging/glibc_stubs.py makes them from the host's own glibc, which keeps
+# every old version), links libstdc++ in, and defines locally the few symbols
+# of a newer glibc that libstdc++ uses (packaging/glibc_compat.cpp). The checks
+# refuse a _ext that needs a symbol version past GLIBC_2.28, any libstdc++
+# version, or a C library symbol without a version. auditwheel then writes the
+# tag (AUDITWHEEL_PLAT overrides it): the command on PATH or beside nvcc, or
+# the module of a build's Python (benchmarks/fetch_wheels.sh carries it to a
+# machine without network). Without auditwheel the wheel keeps the plain
 # linux_x86_64 tag, which PyPI refuses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +47,8 @@ cd "$(dirname "$0")/.."
 # compute_120 PTX: GPUs newer than all of them (the driver compiles it).
 ARCHS=${CUDAARCHS:-"80-real;86-real;89-real;90a-real;100a-real;103a-real;120-real;120-virtual"}
 MAX_WHEEL_BYTES=$((100 * 1000 * 1000))
+OLDEST_GLIBC=2.28
+PLAT=${AUDITWHEEL_PLAT:-manylinux_${OLDEST_GLIBC/./_}_x86_64}
 
 check=0 isolation=1 out=dist pythons=() inspect=()
 while [ $# -gt 0 ]; do
@@ -47,7 +58,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift ;;
     --python) pythons+=("$2"); shift ;;
     --no-isolation) isolation=0 ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "build_wheel.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -79,12 +90,14 @@ check_nvcc() {  # nvcc must know each architecture's base (sm_90 for 90a-real, c
 }
 [ ${#inspect[@]} -gt 0 ] || check_nvcc
 
-# The wheel's CMake options: every CUDA architecture, the kernels required, no _bench.
+# The wheel's CMake options: every CUDA architecture, the kernels required, no
+# _bench, linked to load on glibc 2.28.
 CMAKE_DEFINES=(
   "CMAKE_CUDA_ARCHITECTURES=$ARCHS"
   KVSPLIT_CUDA=ON
   KVSPLIT_REQUIRE_CUDA=ON
   KVSPLIT_BENCH_KERNELS=OFF
+  "KVSPLIT_OLDEST_GLIBC=$OLDEST_GLIBC"
 )
 
 if [ $check -eq 1 ]; then
@@ -105,6 +118,8 @@ if [ $check -eq 1 ]; then
   if grep -q "_bench" "$build/build.ninja"; then
     echo "build_wheel.sh --check: the wheel configuration builds kvsplit._bench" >&2; exit 1
   fi
+  grep -o "glibc $OLDEST_GLIBC stubs in .*" "$build/configure.log" ||
+    { echo "build_wheel.sh --check: no glibc $OLDEST_GLIBC stubs (packaging/glibc_stubs.py)" >&2; exit 1; }
   echo "wheel configuration: ok ($(grep -c '^build .*\.cu\.o:' "$build/build.ninja") CUDA translation units)"
   exit 0
 fi
@@ -135,10 +150,21 @@ inspect_wheel() {
   if readelf -d "$ext" | grep -E 'NEEDED.*(libtorch|libc10|libcudart|libpython)'; then
     echo "_ext links a library it must not (torch, c10, the CUDA runtime, libpython)" >&2; return 1
   fi
-  local symbol
-  for symbol in GLIBC GLIBCXX; do  # what sets the manylinux tag
-    echo "newest $symbol symbol: $(objdump -T "$ext" | grep -oE "${symbol}_[0-9.]+" | sort -uV | tail -1)"
-  done
+  # What sets the manylinux tag: the newest symbol version of each library.
+  local newest unversioned
+  newest=$(objdump -T "$ext" | grep -oE "GLIBC_[0-9.]+" | sort -uV | tail -1)
+  echo "newest GLIBC symbol: $newest; GLIBCXX, CXXABI:" \
+    "$(objdump -T "$ext" | grep -oE "(GLIBCXX|CXXABI)_[0-9.]+" | sort -uV | tr '\n' ' ' | grep . || echo none)"
+  if [ "$(printf '%s\n' "$newest" "GLIBC_$OLDEST_GLIBC" | sort -V | tail -1)" != "GLIBC_$OLDEST_GLIBC" ] ||
+     objdump -T "$ext" | grep -qE "(GLIBCXX|CXXABI)_"; then
+    echo "_ext needs a symbol that glibc $OLDEST_GLIBC or its libstdc++ lacks" >&2; return 1
+  fi
+  unversioned=$(readelf --dyn-syms -W "$ext" |
+    awk '$7 == "UND" && $5 == "GLOBAL" && $8 !~ /@/ && $8 !~ /^_?Py/ {print $8}' | tr '\n' ' ')
+  if [ -n "$unversioned" ]; then
+    echo "_ext needs $unversioned without a version: glibc $OLDEST_GLIBC lacks it (avoid it, or" \
+      "define it in packaging/glibc_compat.cpp)" >&2; return 1
+  fi
   local cuobjdump elf ptx
   if cuobjdump=$(find_tool cuobjdump); then
     elf=$("$cuobjdump" --list-elf "$ext") ptx=$("$cuobjdump" --list-ptx "$ext")
@@ -176,13 +202,24 @@ for py in "${pythons[@]}"; do
   echo "built in $(($(date +%s) - start)) s"
 done
 
-auditwheel=${AUDITWHEEL:-$(find_tool auditwheel || true)}
+auditwheel=()
+if [ -n "${AUDITWHEEL:-}" ]; then
+  auditwheel=("$AUDITWHEEL")
+elif found=$(find_tool auditwheel); then
+  auditwheel=("$found")
+else
+  for py in "${pythons[@]}" python3; do
+    "$py" -c "import auditwheel" 2>/dev/null && { auditwheel=("$py" -m auditwheel); break; }
+  done
+fi
+# _ext needs no library to graft into the wheel, so no patchelf either.
+repair=(repair --plat "$PLAT" --only-plat)
+command -v patchelf >/dev/null || repair+=(--patcher none)
 tagged=$(mktemp -d)
 for wheel in "$raw"/*.whl; do
-  if [ -n "$auditwheel" ]; then
-    "$auditwheel" show "$wheel" | tr '\n' ' ' | fold -s -w 100; echo
-    # The image's own tag inside manylinux; elsewhere the best the host's libraries allow.
-    "$auditwheel" repair --plat "${AUDITWHEEL_PLAT:-auto}" -w "$tagged" "$wheel"
+  if [ ${#auditwheel[@]} -gt 0 ]; then
+    "${auditwheel[@]}" show "$wheel" | tr '\n' ' ' | fold -s -w 100; echo
+    "${auditwheel[@]}" "${repair[@]}" -w "$tagged" "$wheel"
   else
     echo "no auditwheel: $(basename "$wheel") keeps its linux_x86_64 tag (PyPI refuses it)"
     cp "$wheel" "$tagged/"

@@ -1,6 +1,6 @@
 // Local definitions of the few C library symbols that the wheel's libstdc++
 // (linked statically) and the libstdc++ headers use but glibc 2.28 lacks. Linked
-// into _ext only by the wheel build (KVSPLIT_GLIBC_STUBS, packaging/build_wheel.sh),
+// into _ext only by the wheel build (KVSPLIT_OLDEST_GLIBC, which packaging/build_wheel.sh sets),
 // where the link sees no newer glibc (packaging/glibc_stubs.py); hidden, so none
 // is exported and no other library binds to them.
 //

@@ -33,18 +33,10 @@ def upgrade() -> None:
     op.create_table(
         "tuning_results",
         sa.Column("id", sa.Integer(), primary_key=True),
-        sa.Column(
-            "device_id",
-            sa.Integer(),
-            sa.ForeignKey("devices.id", ondelete="CASCADE", name="fk_tuning_results_device_id"),
-            nullable=False,
-        ),
-        sa.Column(
-            "build_id",
-            sa.Integer(),
-            sa.ForeignKey("kernel_builds.id", ondelete="CASCADE", name="fk_tuning_results_build_id"),
-            nullable=False,
-        ),
+        sa.Column("device_id", sa.Integer(), sa.ForeignKey("devices.id", ondelete="CASCADE",
+                                                           name="fk_tuning_results_device_id"), nullable=False),
+        sa.Column("build_id", sa.Integer(), sa.ForeignKey("kernel_builds.id", ondelete="CASCADE",
+                                                          name="fk_tuning_results_build_id"), nullable=False),
         sa.Column("head_dim", sa.Integer(), nullable=False),
         sa.Column("partial_dtype", sa.String(16), nullable=False),
         sa.Column("out_dtype", sa.String(16), nullable=False),
@@ -58,27 +50,14 @@ def upgrade() -> None:
         sa.Column("tool_version", sa.String(64), nullable=False),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.Column("updated_at", sa.DateTime(), nullable=False),
-        sa.UniqueConstraint(
-            "device_id",
-            "build_id",
-            "head_dim",
-            "partial_dtype",
-            "out_dtype",
-            "stats_format",
-            "num_splits",
-            "rows",
-            name="uq_tuning_results_key",
-        ),
+        sa.UniqueConstraint("device_id", "build_id", "head_dim", "partial_dtype", "out_dtype", "stats_format",
+                            "num_splits", "rows", name="uq_tuning_results_key"),
     )
     op.create_table(
         "tuning_candidates",
         sa.Column("id", sa.Integer(), primary_key=True),
-        sa.Column(
-            "result_id",
-            sa.Integer(),
-            sa.ForeignKey("tuning_results.id", ondelete="CASCADE", name="fk_tuning_candidates_result_id"),
-            nullable=False,
-        ),
+        sa.Column("result_id", sa.Integer(), sa.ForeignKey("tuning_results.id", ondelete="CASCADE",
+                                                           name="fk_tuning_candidates_result_id"), nullable=False),
         sa.Column("kv_split", sa.Integer(), nullable=False),
         sa.Column("median_us", sa.Float(), nullable=False),
         sa.Column("p10_us", sa.Float(), nullable=False),
@@ -90,7 +69,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_table("tuning_candidates")
-    op.drop_table("tuning_results")
-    op.drop_table("kernel_builds")
-    op.drop_table("devices")
+    for table in ("tuning_candidates", "tuning_results", "kernel_builds", "devices"):
+        op.drop_table(table)

@@ -22,18 +22,10 @@ def _params_from(column: sa.ColumnElement) -> sa.ColumnElement:
 
 
 def upgrade() -> None:
-    results = sa.table(
-        "tuning_results",
-        sa.column("winner_kv_split", sa.Integer),
-        sa.column("winner_family", sa.String),
-        sa.column("winner_params", sa.Text),
-    )
-    candidates = sa.table(
-        "tuning_candidates",
-        sa.column("kv_split", sa.Integer),
-        sa.column("family", sa.String),
-        sa.column("params", sa.Text),
-    )
+    results = sa.table("tuning_results", sa.column("winner_kv_split", sa.Integer),
+                       sa.column("winner_family", sa.String), sa.column("winner_params", sa.Text))
+    candidates = sa.table("tuning_candidates", sa.column("kv_split", sa.Integer), sa.column("family", sa.String),
+                          sa.column("params", sa.Text))
     op.add_column("tuning_results", sa.Column("winner_family", sa.String(32), nullable=True))
     op.add_column("tuning_results", sa.Column("winner_params", sa.Text(), nullable=True))
     op.execute(results.update().values(winner_family="kvsplit", winner_params=_params_from(results.c.winner_kv_split)))
@@ -56,19 +48,11 @@ def upgrade() -> None:
 def downgrade() -> None:
     # Only kvsplit-family rows can go back to an integer kv_split.
     conn = op.get_bind()
-    others = conn.execute(
-        sa.text(
-            "SELECT (SELECT COUNT(*) FROM tuning_results WHERE winner_family <> 'kvsplit')"
-            " + (SELECT COUNT(*) FROM tuning_candidates WHERE family <> 'kvsplit')"
-        )
-    ).scalar_one()
+    others = conn.execute(sa.text("SELECT (SELECT COUNT(*) FROM tuning_results WHERE winner_family <> 'kvsplit')"
+                                  " + (SELECT COUNT(*) FROM tuning_candidates WHERE family <> 'kvsplit')")).scalar_one()
     if others:
         raise RuntimeError(f"cannot downgrade: {others} rows use a family other than kvsplit")
-    results = sa.table(
-        "tuning_results",
-        sa.column("winner_kv_split", sa.Integer),
-        sa.column("winner_params", sa.Text),
-    )
+    results = sa.table("tuning_results", sa.column("winner_kv_split", sa.Integer), sa.column("winner_params", sa.Text))
     candidates = sa.table("tuning_candidates", sa.column("kv_split", sa.Integer), sa.column("params", sa.Text))
     prefix = len('{"kv_split":')
 

@@ -1,13 +1,10 @@
-"""The kvsplit tuning database.
+"""The kvsplit tuning database: which config won for which key, and how every candidate measured,
+in any SQLAlchemy database (SQLite in the user cache directory by default).
 
-Results of tuning (which config won for which key, and how every candidate
-measured) in any SQLAlchemy database; SQLite in the user cache directory by
-default.  Everything returned is a pydantic model; ORM rows stay inside.
-Configs are plain data (:class:`Config`); the store never loads the kernel
-extension, and a caller that knows the kernel layer's vocabulary passes its
-config type (``config_type=kvsplit.config.KernelConfig``).
-
-Typical use::
+Everything returned is a pydantic model of :mod:`.schemas`; rows stay inside.  Configs are plain
+data: a caller that knows the kernel layer passes its config type
+(``config_type=kvsplit.config.KernelConfig``).  SQLAlchemy and Alembic load at the store's first
+use, not with the package::
 
     from kvsplit.db import open_store_for_library
     store = open_store_for_library()          # never raises; warns and uses memory
@@ -16,21 +13,14 @@ Typical use::
 
 import importlib
 
-from .errors import DamagedRows, DbWarning, NoDatabase, SchemaDamaged, SchemaTooNew, StoreError
-from .schemas import (BASELINE, BuildStats, CandidateResult, ChoiceKey, ClaimInfo, Config, DeviceInfo, DeviceStats,
-                      ExportFile, ImportSummary, KernelBuildInfo, Progress, PruneResult, RepairResult, StoreStats,
-                      TuningKey, TuningPolicy, TuningRecord, WorkerProgress)
+from .schemas import (BASELINE, BuildStats, CandidateResult, ChoiceKey, ClaimInfo, Config, DamagedRows, DbWarning,
+                      DeviceInfo, DeviceStats, ExportFile, ImportSummary, KernelBuildInfo, NoDatabase, Progress,
+                      PruneResult, RepairResult, SchemaDamaged, SchemaTooNew, StoreError, StoreStats, TuningKey,
+                      TuningPolicy, TuningRecord, WorkerProgress)
 
-# The store's side (SQLAlchemy, Alembic) is imported at its first use, not with the
-# package: a process whose merges find their configs elsewhere never loads it.
-_STORE_SIDE = {
-    "Claim": "claims", "Claims": "claims", "Step": "claims",
-    "open_store": "connect", "open_store_for_library": "connect", "open_store_for_repair": "connect",
-    "Damage": "rows",
-    "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine",
-    "head_revision": "migrate",
-    "Store": "store",
-}
+_STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage": "rows", "head_revision": "migrate",
+               "Store": "store", "open_store": "store", "open_store_for_library": "store",
+               "open_store_for_repair": "store"}
 
 
 def __getattr__(name: str):
@@ -42,9 +32,8 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "BuildStats", "CandidateResult", "ChoiceKey", "Claim",
-           "ClaimInfo", "Claims", "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats",
-           "ExportFile", "ImportSummary", "KernelBuildInfo", "NoDatabase", "Progress",
-           "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError",
-           "StoreStats", "TuningKey", "TuningPolicy", "TuningRecord", "WorkerProgress", "head_revision",
-           "open_store", "open_store_for_library", "open_store_for_repair"]
+__all__ = ["BASELINE", "BuildStats", "CandidateResult", "ChoiceKey", "Claim", "ClaimInfo", "Claims", "Config",
+           "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats", "ExportFile", "ImportSummary",
+           "KernelBuildInfo", "NoDatabase", "Progress", "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew",
+           "Step", "Store", "StoreError", "StoreStats", "TuningKey", "TuningPolicy", "TuningRecord", "WorkerProgress",
+           "head_revision", "open_store", "open_store_for_library", "open_store_for_repair"]

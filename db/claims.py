@@ -1,17 +1,12 @@
 """Claims: workers on any number of hosts share one grid through the database, with no coordinator.
 
-Before it tunes a key a worker claims it: one transaction finds a claimable
-key of its grid, locks that key's claim row (``SELECT ... FOR UPDATE SKIP
-LOCKED`` on PostgreSQL, so that two workers never wait on each other; on
-SQLite every write transaction is ``BEGIN IMMEDIATE``, which serializes
-them) and marks it claimed with a lease.  The worker renews the lease with
-heartbeats while it tunes; the result and the end of the claim are written in
-one transaction, so a key is either claimable or done, never lost in
-between.  A lease that runs out (worker killed, host lost) makes the key
-claimable again.  All times are the database server's clock, so hosts with
-skewed clocks agree.  One rule, :func:`standing`, serves ``kvsplit tune
---status``, ``kvsplit db progress`` and the workers' choice of what to claim
-next, so what the status shows is what the workers do.
+A worker claims a key in one transaction that locks its claim row (``SELECT ...
+FOR UPDATE SKIP LOCKED`` on PostgreSQL, so workers never wait on each other; on
+SQLite write transactions are ``BEGIN IMMEDIATE``), renews its lease with
+heartbeats while it tunes, and writes the result and the end of the claim in one
+transaction: a key is claimable or done, never lost in between.  A lease that runs
+out makes the key claimable again.  Times are the database server's clock.  One
+rule, :func:`standing`, serves ``tune --status``, ``db progress`` and the workers.
 """
 
 from __future__ import annotations
@@ -24,10 +19,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from sqlalchemy import Text, func, insert, literal_column, select, type_coerce, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from .models import canonical_json
-from .rows import BUILDS, CLAIMS, Reader, device_is, find_for_write, raw_columns, read_records, stored_time, write_record
+from .models import BUILDS, CLAIMS, canonical_json
+from .rows import Reader, device_is, find_for_write, raw_columns, read, stored_time, write_record
 from .schemas import ClaimInfo, Progress, TuningKey, TuningRecord, WorkerProgress
 from .store import Store
 
@@ -45,25 +41,13 @@ def is_live(claim: ClaimInfo | None, now: datetime) -> bool:
 
 def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
              run_started: datetime | None = None, force: bool = False) -> Standing:
-    """Where one key stands.
+    """Where one key stands, given its claim (``None``: none, or one that does not parse, which is
+    overwritten), whether a result is stored, and the database's clock.
 
-    Parameters
-    ----------
-    claim : ClaimInfo or None
-        Its claim row; ``None`` when there is none or it does not parse (then
-        the key is claimable, and the claim row is overwritten).
-    stored : bool
-        Whether a result is stored for the key.
-    now : datetime
-        The database's clock.
-    run_started : datetime, optional
-        When the asking worker started (database clock).  A failure from
-        before that is tried again (a new run retries old failures); one from
-        during the run is final for it, so workers never retry each other's
-        failures in a loop.
-    force : bool
-        Re-tune stored keys, each once per run: a key counts as done only if
-        it was finished after ``run_started``.
+    ``run_started`` is when the asking worker started: a failure from before is
+    tried again, one from during the run is final for it (workers never retry each
+    other's failures in a loop).  With ``force`` stored keys are re-tuned once per
+    run: a key is done only if it was finished after ``run_started``.
     """
     if is_live(claim, now):
         return "claimed"
@@ -116,6 +100,7 @@ _RAW = raw_columns(CLAIMS)
 _KEY_TEXT = type_coerce(CLAIMS.c.key, Text)  # compared as the stored text, not re-encoded
 _NOW_PG = func.clock_timestamp()
 _NOW_SQLITE = func.strftime("%Y-%m-%d %H:%M:%f", literal_column("'now'"))
+_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}  # with ON CONFLICT DO NOTHING
 
 
 def key_text(key: TuningKey) -> str:
@@ -124,7 +109,7 @@ def key_text(key: TuningKey) -> str:
 
 
 def database_now(session: Session) -> datetime:
-    """The database server's clock, aware UTC (this host's clock for backends without one we read)."""
+    """The database server's clock, aware UTC (this host's for other backends)."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         value = session.execute(select(_NOW_PG)).scalar_one()
@@ -134,7 +119,6 @@ def database_now(session: Session) -> datetime:
         if value is not None:
             return value
     return datetime.now(timezone.utc)
-
 
 
 @dataclass(frozen=True)
@@ -151,12 +135,9 @@ class Claim:
 
 @dataclass(frozen=True)
 class Step:
-    """What :meth:`Claims.claim_next` found: a claim, or nothing, and how the grid stands.
-
-    ``busy`` counts the keys that others hold (live leases, and claimable keys
-    that another worker was locking at that very moment): when no claim came
-    back and ``busy`` is 0, the grid is finished for this worker.
-    """
+    """What :meth:`Claims.claim_next` found: a claim or none, how the grid stands, and ``busy``: the
+    keys others hold (live leases, and keys another worker was locking that very moment).  No claim
+    and nothing busy: the grid is finished for this worker."""
 
     claim: Claim | None
     standings: dict[str, int] = field(default_factory=dict)
@@ -173,28 +154,19 @@ def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, A
 
 
 def _decoded(raw: dict[str, Any] | None) -> ClaimInfo | None:
-    """The claim, or ``None`` for no row or a row that does not parse (claimable: it is overwritten)."""
     return Reader().claim(raw)
 
 
 def _register(session: Session, texts: Sequence[str]) -> None:
-    """Insert an open claim row for each key (canonical text) that has none; a race with another
-    worker is fine."""
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    else:
-        dialect_insert = None
+    # An open claim row for each key (canonical text) that has none; a race with another worker is fine.
+    dialect_insert = _INSERTS.get(session.get_bind().dialect.name)
     # One order for every worker: concurrent inserts of the same keys then wait, never deadlock.
     missing = sorted(texts)
     if dialect_insert is None:
         present = _claim_rows(session, missing)
         missing = [t for t in missing if t not in present]
     for start in range(0, len(missing), _CHUNK):
-        values = [{"key": json.loads(t), "state": "open", "attempts": 0}
-                  for t in missing[start:start + _CHUNK]]
+        values = [{"key": json.loads(t), "state": "open", "attempts": 0} for t in missing[start:start + _CHUNK]]
         if dialect_insert is None:  # a unique-key race raises IntegrityError: the store retries
             session.execute(insert(CLAIMS), values)
         else:
@@ -202,13 +174,12 @@ def _register(session: Session, texts: Sequence[str]) -> None:
 
 
 def _stored(session: Session, keys: Iterable[TuningKey]) -> set[TuningKey]:
-    """The keys among ``keys`` that have a result that parses (one query per device and build)."""
+    """The keys among ``keys`` that have a result that parses (one read per device and build)."""
     keys = set(keys)
     found: set[TuningKey] = set()
     for device, build_hash in {(k.device, k.build_hash) for k in keys}:
-        read = read_records(session, [*device_is(device), BUILDS.c.build_hash == build_hash],
-                            candidates=False)
-        found.update(s.record.key for s in read.records if s.record.key in keys)
+        records = read(session, [*device_is(device), BUILDS.c.build_hash == build_hash], candidates=False).records
+        found.update(r.key for r in records.values() if r.key in keys)
     return found
 
 

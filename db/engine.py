@@ -1,15 +1,25 @@
-"""Engine factory: create the engine of a target (see :mod:`.targets`), name failures.
+"""Where the database is and how to reach it: the one reading of ``--db`` / ``KVSPLIT_DB``,
+the engine made from it, failures named for people, and the watch on a serving process's file.
 
-SQLite gets one ``connect`` listener for its pragmas and one ``begin`` listener
-so that writers take the write lock up front (see :func:`_install_sqlite_listeners`).
-Any other SQLAlchemy URL is used as it is; PostgreSQL through psycopg 3
-(``postgresql+psycopg://user@host/db``).
+A value is a URL only when it starts with a scheme (``sqlite://``,
+``postgresql+psycopg://``); anything else is the path of an SQLite file, taken
+literally (no query, no percent-decoding; ``~`` and ``~user`` expanded) and made
+absolute as the SQLite driver does, so that kvsplit and the driver mean the same
+file.  ``:memory:``, ``sqlite://``, ``sqlite:///``, ``sqlite:///:memory:`` and any
+SQLite URL with ``?mode=memory`` are memory, handed to the driver as a plain
+in-memory URL.  An SQLite URL's query may hold ``mode=memory`` and the driver's own
+arguments only (no URI filenames).  Every problem is a :class:`BadTarget`: one line.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import re
+import sys
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
@@ -17,39 +27,176 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
+from sqlalchemy.util import asbool
 
-from .errors import StoreError
-from .targets import ENV_VAR, BadTarget, Target, is_memory, parse_target, visible
+from .schemas import StoreError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ENV_VAR", "WRITE_OPTION", "create_db_engine", "describe_error", "display_url",
-           "engine_name", "is_memory_url"]
+ENV_VAR = "KVSPLIT_DB"
 #: How long a writer waits for another process's write lock, in seconds.
 DEFAULT_TIMEOUT_S = 30.0
-#: Execution option that makes a SQLite transaction start with BEGIN IMMEDIATE.
+#: Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE.
 WRITE_OPTION = "kvsplit_write"
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_EXAMPLES = ("give an SQLite file path, or a URL such as sqlite:////abs/path/tuning.sqlite or "
+             "postgresql+psycopg://user@host/db")
 
 
+def _isolation_level(value: str) -> str:
+    if value.upper() not in ("", "DEFERRED", "IMMEDIATE", "EXCLUSIVE"):
+        raise ValueError("not '', DEFERRED, IMMEDIATE or EXCLUSIVE")
+    return value
 
+
+# The arguments pysqlite takes from a URL's query, each with the dialect's conversion.
+_SQLITE_DRIVER_ARGS = {"timeout": float, "detect_types": int, "cached_statements": int,
+                       "check_same_thread": asbool, "isolation_level": _isolation_level}
 # Import name of a database driver -> the package that installs it (pip's name).
-_DRIVER_PACKAGES = {
-    "psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
-    "pymysql": "PyMySQL", "mysql": "mysql-connector-python", "asyncpg": "asyncpg",
-    "pg8000": "pg8000", "oracledb": "oracledb", "pyodbc": "pyodbc", "pymssql": "pymssql",
-    "aiosqlite": "aiosqlite", "aiomysql": "aiomysql",
-}
+_DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
+                    "pymysql": "PyMySQL", "mysql": "mysql-connector-python", "asyncpg": "asyncpg",
+                    "pg8000": "pg8000", "oracledb": "oracledb", "pyodbc": "pyodbc", "pymssql": "pymssql",
+                    "aiosqlite": "aiosqlite", "aiomysql": "aiomysql"}
 
-def display_url(url: str) -> str:
-    """``url`` with any password masked, for messages."""
+
+class BadTarget(StoreError):
+    """``--db`` / ``KVSPLIT_DB`` names nothing kvsplit can open: bad URL, unknown home, bad path."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A database as kvsplit and the driver both understand it.
+
+    ``shown`` is the target as written (password masked, control characters
+    escaped), ``url`` what the engine is made from, ``path`` the SQLite file
+    (``None`` in memory or on a server), ``default`` whether nothing was given.
+    """
+
+    shown: str
+    url: URL
+    path: Path | None = None
+    memory: bool = False
+    default: bool = False
+
+
+def visible(text: str) -> str:
+    """``text`` on one line: control and other unprintable characters as escapes (``\\n``, ``\\x00``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+def shown_as_given(value: str) -> str:
+    """``value`` (of --db or KVSPLIT_DB) as messages show it, even when it names nothing usable."""
+    if not _SCHEME.match(value):
+        return visible(value)
+    # The password of a URL, even of one that does not parse, never reaches a message.
+    scheme, _, rest = value.partition("://")
+    authority, slash, tail = rest.partition("/")
+    user_info, at, host = authority.rpartition("@")
+    if at and ":" in user_info:
+        user_info = user_info.split(":", 1)[0] + ":***"
+    return visible(f"{scheme}://{user_info}{at}{host}{slash}{tail}")
+
+
+def is_memory(database: str | None, query: dict) -> bool:
+    """Whether an SQLite URL with this database and query is in memory (the one rule)."""
+    return database in (None, "", ":memory:") or query.get("mode") == "memory"
+
+
+def parse_target(value: str | None = None) -> Target:
+    """The database that ``value`` names, else ``$KVSPLIT_DB``, else ``tuning.sqlite`` in the user
+    cache directory (an empty string counts as not given).
+
+    Raises
+    ------
+    BadTarget
+        A URL that does not parse or that SQLite would read differently, a
+        ``~user`` whose home is unknown, a NUL character, a relative path
+        with no current directory.
+    """
+    given = value or os.environ.get(ENV_VAR) or None
+    if given is None:
+        path = Path(platformdirs.user_cache_dir("kvsplit")) / "tuning.sqlite"
+        if not path.is_absolute():  # platformdirs found no home either
+            raise BadTarget(f"{visible(str(path))}: kvsplit cannot tell the user's home directory for its "
+                            f"default database; set HOME, or give one with --db / KVSPLIT_DB")
+        return Target(str(path), URL.create("sqlite", database=str(path)), path, default=True)
+    if _SCHEME.match(given):
+        return _from_url(given)
+    shown = shown_as_given(given)
+    if "\x00" in given:
+        raise BadTarget(f"{shown}: a path cannot hold a NUL character; {_EXAMPLES}")
+    if given == ":memory:":
+        return Target(shown, URL.create("sqlite"), memory=True)
+    expanded = os.path.expanduser(given)
+    if expanded.startswith("~"):
+        user = given[1:].split("/", 1)[0]
+        whose = f"no user {visible(user)!r} is known here" if user else "HOME is not set and the user has none"
+        raise BadTarget(f"{shown}: cannot expand ~{visible(user)}: {whose}; write the path in full "
+                        f"(./{shown} for a file of that name)")
+    return Target(shown, *_absolute(shown, expanded))
+
+
+def _absolute(shown: str, path: str) -> tuple[URL, Path]:
     try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return url
+        path = os.path.abspath(path)  # what the driver does with it
+    except OSError as exc:  # the current directory was removed
+        raise BadTarget(f"{shown}: a relative path, but the current directory cannot be read "
+                        f"({exc.strerror}); give an absolute path") from None
+    return URL.create("sqlite", database=path), Path(path)
 
 
-def is_memory_url(url: URL) -> bool:
-    """Whether ``url`` names an in-memory SQLite database."""
-    return url.get_backend_name() == "sqlite" and is_memory(url.database, url.query)
+def _from_url(given: str) -> Target:
+    shown = shown_as_given(given)
+    try:
+        url = make_url(given)
+    except (ArgumentError, ValueError) as exc:
+        raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; {_EXAMPLES}") from None
+    parts = [url.username, url.password, url.host, url.database,
+             *url.query.keys(), *(v for vs in url.query.values() for v in ((vs,) if isinstance(vs, str) else vs))]
+    if any(part and "\x00" in part for part in parts):
+        raise BadTarget(f"bad database URL {shown!r}: it holds a NUL character (%00); {_EXAMPLES}")
+    if url.get_backend_name() != "sqlite":
+        return Target(shown, url)
+    if url.host or url.username or url.password or url.port:
+        raise BadTarget(f"bad database URL {shown!r}: an SQLite URL names a file, not a host: "
+                        f"sqlite:///relative/path or sqlite:////absolute/path")
+    unknown = sorted(set(url.query) - set(_SQLITE_DRIVER_ARGS) - {"mode"})
+    if unknown:
+        uri = " (SQLite URI filenames are not taken: give the path)" if "uri" in unknown else ""
+        raise BadTarget(f"bad database URL {shown!r}: unknown SQLite URL parameter {visible(unknown[0])!r}{uri}; "
+                        f"the query may hold mode=memory and the driver's {', '.join(sorted(_SQLITE_DRIVER_ARGS))}")
+    for name, value in url.query.items():
+        if not isinstance(value, str):
+            raise BadTarget(f"bad database URL {shown!r}: {visible(name)} is given {len(value)} times")
+        try:
+            _SQLITE_DRIVER_ARGS.get(name, str)(value)
+        except ValueError as exc:
+            raise BadTarget(f"bad database URL {shown!r}: {visible(name)}={visible(value)} is not a value "
+                            f"the driver takes ({visible(str(exc))})") from None
+    if url.query.get("mode", "memory") != "memory":
+        raise BadTarget(f"bad database URL {shown!r}: mode={visible(url.query['mode'])} is not taken; "
+                        f"only mode=memory (an in-memory database)")
+    if is_memory(url.database, url.query):
+        return Target(shown, URL.create(url.drivername), memory=True)
+    address, path = _absolute(shown, url.database)
+    return Target(shown, url.set(database=address.database), path)
 
+
+def stat_file(target: Target) -> os.stat_result | None:
+    """``os.stat`` of the target's SQLite file; ``None`` when there is none.  A path that cannot
+    name a file here (too long, a loop of links, no permission) is a :class:`BadTarget`."""
+    try:
+        return os.stat(target.path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
+        raise BadTarget(f"{target.shown}: cannot use this path: {what}; check the path given with "
+                        f"--db / KVSPLIT_DB") from None
+
+
+# -- the engine ------------------------------------------------------------------------------
 
 # The name each engine's database goes by in messages: its target as the user wrote it.
 _NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
@@ -57,41 +204,28 @@ _NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
 def engine_name(engine: Engine) -> str:
     """The database of ``engine`` as messages show it (as given with --db / KVSPLIT_DB)."""
-    return _NAMES.get(engine) or display_url(engine.url.render_as_string(hide_password=False))
+    return _NAMES.get(engine) or engine.url.render_as_string(hide_password=True)
 
 
-def default_quarantine_path(sqlite_file: Path | None) -> Path:
-    """Where ``repair`` writes the rows it removes: beside an SQLite file, else in the user cache dir."""
-    if sqlite_file is not None:
-        return sqlite_file.with_name(sqlite_file.name + ".quarantine.jsonl")
-    return Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl"
+def is_memory_url(url: URL) -> bool:
+    """Whether ``url`` names an in-memory SQLite database."""
+    return url.get_backend_name() == "sqlite" and is_memory(url.database, url.query)
 
 
 def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
-    """Create an engine for ``target`` (a string is read by :func:`.targets.parse_target`).
+    """An engine for ``target`` (a string is read by :func:`parse_target`).
 
-    Parameters
-    ----------
-    target : Target or str
-        The database.
-    timeout_s : float
-        SQLite busy timeout, and PostgreSQL connect timeout, in seconds.
-    pooled : bool
-        If false, an SQLite file's connections are closed after each
-        transaction (a serving process: see :class:`.store.Store`).
-
-    Raises
-    ------
-    StoreError
-        The URL does not parse, names an unknown dialect, or its driver is not installed.
+    ``timeout_s`` is SQLite's busy timeout and PostgreSQL's connect timeout, in
+    seconds; with ``pooled`` false an SQLite file's connections close after
+    each transaction (a serving process: see :class:`~kvsplit.db.store.Store`).
+    A URL that does not parse, an unknown dialect or a missing driver is a :class:`StoreError`.
     """
     if not isinstance(target, Target):
         target = parse_target(target)
     shown, url = target.shown, target.url
     try:
         if url.get_backend_name() == "sqlite":
-            if target.memory:
-                # One shared connection: every session must see the same database.
+            if target.memory:  # one shared connection: every session must see the same database
                 engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
             else:
                 if target.default:
@@ -102,28 +236,23 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
         else:
             connect_args = {}
             if url.get_backend_name() == "postgresql":
-                # Fail in bounded time on an unreachable server instead of hanging; timestamps
-                # read as text (see rows.py) in the one form whatever the server's DateStyle.
+                # Bounded time on an unreachable server; timestamps read as text (see rows.py)
+                # in one form whatever the server's DateStyle.
                 connect_args["connect_timeout"] = max(1, int(timeout_s))
                 if "options" not in url.query:
                     connect_args["options"] = "-c DateStyle=ISO"
             engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except NoSuchModuleError as exc:
-        raise BadTarget(
-            f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite "
-            f"or postgresql+psycopg://user@host/db"
-        ) from exc
-    except ImportError as exc:
-        # The dialect is known but its DBAPI module is missing: not the URL's fault.
+        raise BadTarget(f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as "
+                        f"sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db") from exc
+    except ImportError as exc:  # the dialect is known but its driver is missing: not the URL's fault
         driver = f"{url.get_backend_name()}+{url.get_driver_name()}"
         package = _DRIVER_PACKAGES.get(exc.name or "", exc.name)
         hint = f"pip install {package}" if package else "install the driver"
         raise StoreError(f"{shown}: the database driver for {driver} is not installed ({exc}); {hint}") from exc
     except (ArgumentError, ValueError) as exc:
-        raise BadTarget(
-            f"bad database URL {shown!r}: {visible(str(exc))}; give an SQLAlchemy URL such as "
-            f"sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db"
-        ) from exc
+        raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; give an SQLAlchemy URL such as "
+                        f"sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db") from exc
     except OSError as exc:
         raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
     _NAMES[engine] = shown
@@ -131,80 +260,129 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
 
 
 def _lenient_text(data: bytes) -> str:
-    # Invalid UTF-8 in a text column must not fail the whole query in the
-    # driver: it reads back with surrogates, and rows.py calls it damage.
+    # Invalid UTF-8 must not fail the whole query: it reads back with surrogates, which rows.py calls damage.
     return data.decode("utf-8", "surrogateescape")
 
 
 def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, connection_record):  # noqa: ANN001
-        # The driver's own transaction handling is turned off: it would BEGIN
-        # deferred, and a deferred transaction that later writes fails at once
-        # with "database is locked" under WAL instead of waiting.
+        # The driver's own transactions are off: it would BEGIN deferred, and a deferred
+        # transaction that later writes fails at once under WAL ("database is locked").
         dbapi_connection.isolation_level = None
         dbapi_connection.text_factory = _lenient_text
         cursor = dbapi_connection.cursor()
         try:
-            # busy_timeout first: switching to WAL itself needs the lock.
-            cursor.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
+            cursor.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")  # first: WAL itself needs the lock
             cursor.execute("PRAGMA journal_mode = WAL")
-            # NORMAL is safe in WAL mode (no corruption; a power cut may lose
-            # the last commits) and spares an fsync per upsert.
+            # NORMAL is safe under WAL (a power cut may lose the last commits) and spares an fsync per upsert.
             cursor.execute("PRAGMA synchronous = NORMAL")
             cursor.execute("PRAGMA foreign_keys = ON")
-            # No memory-mapped reads of the file, whatever this SQLite's build
-            # default: a mapped file that is truncated or made immutable under
-            # the process kills it with SIGBUS instead of failing a query.
+            # No memory-mapped reads: a mapped file truncated or made immutable kills the process (SIGBUS).
             cursor.execute("PRAGMA mmap_size = 0")
         finally:
             cursor.close()
 
     @event.listens_for(engine, "begin")
     def _begin(conn):  # noqa: ANN001
-        immediate = conn.get_execution_options().get(WRITE_OPTION, False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
 
 
 _MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')
 
 
 def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-    """One sentence for people: what is wrong with the database ``shown`` (see :func:`engine_name`), and what to do."""
+    """One line for people: what is wrong with the database ``shown``, and what to do."""
     orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     text = visible(str(orig).strip().splitlines()[0]) if str(orig).strip() else type(orig).__name__
     low = text.lower()
     elsewhere = "or use another database with --db / KVSPLIT_DB"
     if "database is locked" in low or "database table is locked" in low:
-        return (
-            f"{shown}: database is locked (another process held it for more than {timeout_s:g} s); "
-            f"try again once that process is done"
-        )
+        return (f"{shown}: database is locked (another process held it for more than {timeout_s:g} s); "
+                f"try again once that process is done")
     if "not a database" in low or "malformed" in low or "corrupt" in low:
-        return (
-            f"{shown}: the file is corrupt or not an SQLite database ({text}); move it away "
-            f"(kvsplit then starts a new one) {elsewhere}"
-        )
+        return (f"{shown}: the file is corrupt or not an SQLite database ({text}); move it away "
+                f"(kvsplit then starts a new one) {elsewhere}")
     if "readonly" in low or "read-only" in low:
         return f"{shown}: the database is read-only ({text}); make the file and its directory writable {elsewhere}"
     if "unable to open database file" in low:
-        return (
-            f"{shown}: cannot open the database file: missing directory or no permission ({text}); "
-            f"check the path and its permissions"
-        )
+        return (f"{shown}: cannot open the database file: missing directory or no permission ({text}); "
+                f"check the path and its permissions")
     missing = _MISSING_TABLE.search(text)
     if missing:
         table = missing.group(1) or missing.group(2)
         return f"{shown}: the table {table} is missing; run `kvsplit db repair` to recreate it"
-    if "password authentication failed" in low or "authentication failed" in low:
+    if "authentication failed" in low:
         return f"{shown}: the server refused the login ({text}); check the user and password in the URL"
     if "does not exist" in low and "database" in low:
         return f"{shown}: {text}; create that database on the server or fix the URL"
     if "connection" in low or "could not" in low or "timeout" in low or "timed out" in low:
-        return (
-            f"{shown}: cannot reach the database server ({text}); check that it is running and that "
-            f"the host, port and database in the URL are right"
-        )
+        return (f"{shown}: cannot reach the database server ({text}); check that it is running and that "
+                f"the host, port and database in the URL are right")
     if isinstance(exc, (SQLAlchemyError, OSError)):
         return f"{shown}: {type(orig).__name__}: {text}; check the database {elsewhere}"
     return f"{shown}: {text}"
+
+
+# -- the file of a serving process -----------------------------------------------------------
+# Deleted, it would be written as an unlinked inode, lost at exit; replaced (a shared file copied
+# over it), emptied, or made immutable (a write to SQLite's mapped -shm index of an immutable file
+# is SIGBUS).  The watch only stats the files: closing any descriptor of a file would drop every
+# POSIX lock the process holds on it, SQLite's included.
+
+def _load_statx():  # noqa: ANN202
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        statx = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):  # a C library without statx (glibc < 2.28)
+        return None
+    statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)
+    statx.restype = ctypes.c_int
+    return statx
+
+
+_statx = _load_statx()
+
+
+def immutable(path: str) -> bool:
+    """Whether ``path`` has the immutable attribute (``chattr +i``); false where that cannot be told."""
+    buffer = ctypes.create_string_buffer(256)  # struct statx
+    if _statx is None or _statx(-100, os.fsencode(path), 0, 0x7FF, buffer) != 0:  # AT_FDCWD, STATX_BASIC_STATS
+        return False
+    # stx_attributes at offset 8, stx_attributes_mask at 56; STATX_ATTR_IMMUTABLE is 0x10.
+    attributes, supported = (int.from_bytes(buffer.raw[at:at + 8], sys.byteorder) for at in (8, 56))
+    return bool(attributes & supported & 0x10)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What happened to the file, and whether a file stands at its path that may be reopened."""
+
+    what: str
+    reopen: bool
+
+
+class FileWatch:
+    """The device and inode of an SQLite file when it was opened, checked on request."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        stat = os.stat(path)
+        self._identity = (stat.st_dev, stat.st_ino)
+
+    def changed(self) -> Change | None:
+        """``None`` while the file is the one opened, else what happened to it."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return Change("was deleted", reopen=False)
+        except OSError as exc:
+            return Change(f"cannot be looked at any more ({exc.strerror})", reopen=False)
+        if any(immutable(f"{self.path}{suffix}") for suffix in ("", "-wal", "-shm")):
+            return Change("was made immutable", reopen=False)
+        if (stat.st_dev, stat.st_ino) != self._identity:
+            return Change("was replaced by another file", reopen=True)
+        if stat.st_size == 0:  # an open database always has its header page
+            return Change("was emptied", reopen=False)
+        return None

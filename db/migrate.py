@@ -1,13 +1,13 @@
-"""Schema versioning: Alembic run from code, without an alembic.ini.
+"""Schema versions: Alembic run from code (no alembic.ini), with the scripts in ``migrations/``.
 
-The scripts live in ``migrations/`` inside the package.  :func:`ensure_schema`
-is what opening a store calls: an empty database is created at the head
-revision, an older one upgraded in place, a newer one refused.
+Opening a store calls :func:`ensure_schema`: an empty database is created at the
+head revision, an older one upgraded in place, a newer one refused.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 from alembic import command
@@ -15,19 +15,18 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-import re
-
 from sqlalchemy import Connection, Engine, inspect, text
 
 from .engine import WRITE_OPTION, engine_name
-from .errors import NoDatabase, SchemaDamaged, SchemaTooNew
 from .models import Base
+from .schemas import NoDatabase, SchemaDamaged, SchemaTooNew
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 #: Not Alembic's default name, so kvsplit can share a PostgreSQL database with other apps.
 VERSION_TABLE = "kvsplit_schema_version"
-# Any constant: serializes concurrent first-time migrations on PostgreSQL.
-_PG_LOCK_ID = 0x6B7673706C6974  # "kvsplit"
+_PG_LOCK_ID = 0x6B7673706C6974  # "kvsplit": serializes concurrent first migrations on PostgreSQL
+_REVISION_ID = re.compile(r"^[0-9A-Za-z_]{1,32}$")
+_REPAIR = "run `kvsplit db repair` to restore it"
 
 
 def _config(connection: Connection | None = None) -> Config:
@@ -41,44 +40,36 @@ def _config(connection: Connection | None = None) -> Config:
 
 @functools.cache
 def _scripts() -> ScriptDirectory:
-    # Parsing the revision files costs milliseconds; they never change at run time.
-    return ScriptDirectory.from_config(_config())
+    return ScriptDirectory.from_config(_config())  # milliseconds to parse; never changes at run time
 
 
 def head_revision() -> str:
     """The newest revision this code knows."""
-    head = _scripts().get_current_head()
-    assert head is not None
-    return head
+    return _scripts().get_current_head()
 
 
 def current_revision(conn: Connection) -> str | None:
     """The revision stamped in the database, ``None`` if it has no kvsplit schema."""
-    ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-    return ctx.get_current_revision()
+    return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
 
 
-def _is_known(revision: str) -> bool:
+def _check_known(revision: str | None, shown: str) -> None:
     try:
-        return _scripts().get_revision(revision) is not None
+        if revision is None or _scripts().get_revision(revision) is not None:
+            return
     except CommandError:
-        return False
-
-
-_REVISION_ID = re.compile(r"^[0-9A-Za-z_]{1,32}$")
-_REPAIR = "run `kvsplit db repair` to restore it"
+        pass
+    raise SchemaTooNew(f"{shown}: the database has schema revision {revision!r}, newer than this kvsplit knows "
+                       f"(up to {head_revision()!r}); upgrade kvsplit, or use another database with --db / "
+                       f"KVSPLIT_DB", revision)
 
 
 def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True) -> str | None:
     """The one revision stamped in the database; ``None`` for a database without kvsplit tables.
 
-    Raises
-    ------
-    SchemaDamaged
-        kvsplit tables without a version row, several version rows, a row
-        that is not a revision id, or (at the head revision) a missing table.
-    SchemaTooNew
-        A revision this code does not know.
+    :class:`SchemaDamaged`: kvsplit tables without a version row, several rows, a
+    row that is not a revision id, or (at head, with ``check_tables``) a missing
+    table; :class:`SchemaTooNew`: a revision this code does not know.
     """
     tables = set(inspect(conn).get_table_names())
     has_version_table = VERSION_TABLE in tables
@@ -98,46 +89,37 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
     if len(rows) > 1:
         raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} has {len(rows)} rows "
                             f"({', '.join(map(repr, rows))}) where one belongs; {_REPAIR}")
-    if check_tables and rows[0] == head_revision():
-        missing = [t for t in Base.metadata.tables if t not in tables]
-        if missing:
-            raise SchemaDamaged(f"{shown}: the table {missing[0]} is missing; run `kvsplit db repair` "
-                                f"to recreate it")
+    missing = [t for t in Base.metadata.tables if t not in tables]
+    if check_tables and rows[0] == head_revision() and missing:
+        raise SchemaDamaged(f"{shown}: the table {missing[0]} is missing; run `kvsplit db repair` to recreate it")
     return rows[0]
 
 
 def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
-    """Restore a damaged version table or missing tables (``kvsplit db repair``); what was done.
+    """Restore a damaged version table or missing tables (``kvsplit db repair``); one line per repair.
 
-    A version table that is missing, empty, duplicated or holds garbage is
-    stamped with the head revision, but only when every table and column of
-    the head schema is there: otherwise nobody can tell which revision the
-    tables are.  At the head revision, missing tables are created empty.
-    A newer schema is refused (:class:`SchemaTooNew`).
+    A version table that is missing, empty, doubled or garbage is stamped with the
+    head revision, but only when every table and column of the head schema is
+    there (else nobody can tell the tables' revision).  At head, missing tables are
+    created empty.  A newer schema is :class:`SchemaTooNew`.
     """
-    shown = engine_name(engine)
-    head = head_revision()
+    shown, head = engine_name(engine), head_revision()
     with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn, conn.begin():
         try:
-            found = stamped_revision(conn, shown, check_tables=False)
-        except SchemaDamaged:
-            found = None
-            restamp = True
-        else:
             restamp = False
-            if found != head:
+            if stamped_revision(conn, shown, check_tables=False) != head:
                 return []  # empty (created on open) or older (upgraded on open)
+        except SchemaDamaged:
+            restamp = True
         inspector = inspect(conn)
         tables = set(inspector.get_table_names())
-        for table in Base.metadata.sorted_tables:
-            if table.name in tables:
-                columns = {c["name"] for c in inspector.get_columns(table.name)}
-                lacking = sorted(set(table.columns.keys()) - columns)
-                if lacking:
-                    raise SchemaDamaged(
-                        f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision "
-                        f"{head}, so its revision cannot be told; restore the database from a backup or an "
-                        f"export, or start a new one with --db / KVSPLIT_DB")
+        for table in (t for t in Base.metadata.sorted_tables if t.name in tables):
+            lacking = sorted(set(table.columns.keys()) - {c["name"] for c in inspector.get_columns(table.name)})
+            if lacking:
+                raise SchemaDamaged(
+                    f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision {head}, "
+                    f"so its revision cannot be told; restore the database from a backup or an export, or start "
+                    f"a new one with --db / KVSPLIT_DB")
         missing = [t for t in Base.metadata.sorted_tables if t.name not in tables]
         done = [f"created the missing table {t.name} (empty)" for t in missing]
         if restamp:
@@ -145,38 +127,22 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
         if dry_run or not done:
             return done
         Base.metadata.create_all(conn, tables=missing)
-        if restamp:
-            if VERSION_TABLE in tables:
-                conn.execute(text(f"DELETE FROM {VERSION_TABLE}"))
-                conn.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"), {"v": head})
-            else:
-                command.stamp(_config(conn), head)
+        if restamp and VERSION_TABLE in tables:
+            conn.execute(text(f"DELETE FROM {VERSION_TABLE}"))
+            conn.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"), {"v": head})
+        elif restamp:
+            command.stamp(_config(conn), head)
         return done
 
 
-def _check_known(revision: str | None, shown: str) -> None:
-    if revision is None or _is_known(revision):
-        return
-    raise SchemaTooNew(
-        f"{shown}: the database has schema revision {revision!r}, newer than this "
-        f"kvsplit knows (up to {head_revision()!r}); upgrade kvsplit, or use another "
-        f"database with --db / KVSPLIT_DB",
-        revision,
-    )
-
-
 def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | None]:
-    """Migrate the database to ``target`` in one transaction; returns (before, after).
-
-    ``target`` may also be an older revision; a downgrade then runs (tests use
-    this to build databases at revision ``"0001"``).
-    """
+    """Migrate the database to ``target`` in one transaction; (before, after).  An older ``target``
+    downgrades (tests build databases of revision ``"0001"`` so)."""
     with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn:
         sqlite = conn.dialect.name == "sqlite"
         if sqlite:
-            # Batch mode drops and recreates tables; with foreign keys on, dropping
-            # tuning_results would cascade-delete every candidate.  The pragma is
-            # a no-op inside a transaction, so it goes to the driver before BEGIN.
+            # Batch mode drops and recreates tables: with foreign keys on, dropping tuning_results
+            # would delete every candidate.  The pragma is a no-op in a transaction: before BEGIN.
             conn.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")
         try:
             with conn.begin():
@@ -186,11 +152,9 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | Non
                 _check_known(before, engine_name(engine))
                 if target == "head" and before == head_revision():
                     return before, before  # another process got here first
-                cfg = _config(conn)
-                if target == "head" or before is None or _is_ancestor(target, before):
-                    command.upgrade(cfg, target)
-                else:
-                    command.downgrade(cfg, target)
+                upward = target == "head" or before is None or any(
+                    r.revision == before for r in _scripts().iterate_revisions(target, "base"))
+                (command.upgrade if upward else command.downgrade)(_config(conn), target)
                 after = current_revision(conn)
         finally:
             if sqlite:
@@ -198,26 +162,12 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | Non
     return before, after
 
 
-def _is_ancestor(target: str, revision: str) -> bool:
-    # True when ``target`` is newer than ``revision``, i.e. reached by upgrading.
-    return any(r.revision == revision for r in _scripts().iterate_revisions(target, "base"))
-
-
 def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
-    """Bring the database to the head revision; with ``create=False`` never create the schema.
+    """Bring the database to the head revision; the revision it had if it was upgraded, else ``None``.
 
-    Returns
-    -------
-    str or None
-        The revision the database had if it was upgraded from an older one;
-        ``None`` when it was already current or was empty and got created.
-
-    Raises
-    ------
-    SchemaTooNew
-        The database carries a revision this code does not know.
-    SchemaDamaged
-        The version table is damaged or a table is missing (see :func:`stamped_revision`).
+    With ``create`` false an empty database is :class:`NoDatabase`; a damaged
+    version table or missing table is :class:`SchemaDamaged`, a newer revision
+    :class:`SchemaTooNew`.
     """
     head = head_revision()
     with engine.connect() as conn:

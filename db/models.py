@@ -1,9 +1,8 @@
-"""SQLAlchemy ORM models of the tuning database (schema revision 0003).
+"""The tables of the tuning database (schema revision 0003), as SQLAlchemy models.
 
-These tables never leave ``db/``: :mod:`.rows` reads their rows as stored and
-turns them into the pydantic models of :mod:`.schemas`.  Constraint names are
-spelled out because Alembic's batch mode on SQLite finds constraints by name,
-and the migrations in ``migrations/versions`` must produce exactly these
+They never leave ``db/``: :mod:`.rows` turns their rows into the models of
+:mod:`.schemas`.  Constraint names are spelled out because Alembic's batch mode on
+SQLite finds constraints by name, and the migrations must make exactly these
 tables (a test compares them).
 """
 
@@ -17,18 +16,18 @@ from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Te
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-#: The columns of a result's key, the ``ChoiceKey`` order after the device and build.
+#: The columns of a result's key, in ``ChoiceKey`` order after the device and build.
 KEY_COLUMNS = ("device_id", "build_id", "head_dim", "partial_dtype", "out_dtype", "stats_format", "num_splits", "rows")
 
 
-class CanonicalJSON(TypeDecorator):
-    """A JSON object stored as text with sorted keys and no spaces.
+def canonical_json(value: Any) -> str:
+    """``value`` as the JSON columns store it: sorted keys, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
-    Text rather than the dialect's JSON type so that the same parameters always
-    give the same string: equality and unique constraints then work on SQLite and
-    PostgreSQL alike (PostgreSQL's ``json`` type has no equality operator).
-    Read back as the stored text: :mod:`.rows` parses it.
-    """
+
+class CanonicalJSON(TypeDecorator):
+    """A JSON object stored as canonical text, so that equal objects are equal strings: unique
+    constraints then hold on SQLite and PostgreSQL alike (PostgreSQL's ``json`` has no equality)."""
 
     impl = Text
     cache_ok = True
@@ -37,16 +36,8 @@ class CanonicalJSON(TypeDecorator):
         return None if value is None else canonical_json(value)
 
 
-def canonical_json(value: Any) -> str:
-    """``value`` as the JSON columns store it: sorted keys, no spaces."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
 class UTCDateTime(TypeDecorator):
-    """A timestamp stored as naive UTC; :mod:`.rows` reads it as text and puts the zone back.
-
-    SQLite keeps no time zone, so every backend stores naive UTC.
-    """
+    """A timestamp stored as naive UTC (SQLite keeps no time zone, so no backend does)."""
 
     impl = DateTime
     cache_ok = True
@@ -62,8 +53,6 @@ class Base(DeclarativeBase):
 
 
 class Device(Base):
-    """A GPU model as the tuner saw it; MIG slices differ by SM count."""
-
     __tablename__ = "devices"
     __table_args__ = (UniqueConstraint("name", "cc_major", "cc_minor", "sm_count", name="uq_devices_identity"),)
 
@@ -75,14 +64,11 @@ class Device(Base):
 
 
 class KernelBuild(Base):
-    """One compiled kernel library; results of other builds may be stale."""
-
     __tablename__ = "kernel_builds"
     __table_args__ = (UniqueConstraint("build_hash", name="uq_kernel_builds_build_hash"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     build_hash: Mapped[str] = mapped_column(String(128))
-    # The kvsplit version of the first record stored for this build.
     library_version: Mapped[str] = mapped_column(String(64))
 
 
@@ -94,11 +80,9 @@ class TuningResult(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     device_id: Mapped[int] = mapped_column(
-        ForeignKey("devices.id", ondelete="CASCADE", name="fk_tuning_results_device_id")
-    )
+        ForeignKey("devices.id", ondelete="CASCADE", name="fk_tuning_results_device_id"))
     build_id: Mapped[int] = mapped_column(
-        ForeignKey("kernel_builds.id", ondelete="CASCADE", name="fk_tuning_results_build_id")
-    )
+        ForeignKey("kernel_builds.id", ondelete="CASCADE", name="fk_tuning_results_build_id"))
     head_dim: Mapped[int] = mapped_column(Integer)
     partial_dtype: Mapped[str] = mapped_column(String(16))
     out_dtype: Mapped[str] = mapped_column(String(16))
@@ -123,8 +107,7 @@ class Candidate(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     result_id: Mapped[int] = mapped_column(
-        ForeignKey("tuning_results.id", ondelete="CASCADE", name="fk_tuning_candidates_result_id")
-    )
+        ForeignKey("tuning_results.id", ondelete="CASCADE", name="fk_tuning_candidates_result_id"))
     family: Mapped[str] = mapped_column(String(32))
     params: Mapped[dict[str, int]] = mapped_column(CanonicalJSON)
     median_us: Mapped[float] = mapped_column(Float)
@@ -135,15 +118,9 @@ class Candidate(Base):
 
 
 class TuningClaim(Base):
-    """One key of a fleet's grid: who tunes it, until when, and how it ended.
-
-    ``key`` is the canonical JSON of the :class:`~kvsplit.db.TuningKey` (no
-    foreign keys: pruning results or devices never touches a claim).
-    ``state`` is ``open`` (registered, never claimed), ``claimed`` (a worker
-    holds a lease until ``expires_at``, renewed by heartbeats), ``done`` or
-    ``failed`` (``error`` says why).  ``heartbeat_at`` is the last renewal, or
-    when the claim ended.  Times come from the database server's clock.
-    """
+    """One key of a fleet's grid (``key``: the TuningKey's canonical JSON; no foreign keys, so pruning
+    never touches a claim): ``open``, ``claimed`` (a lease until ``expires_at``, renewed by heartbeats),
+    ``done`` or ``failed`` (``error`` says why).  Times are the database server's clock."""
 
     __tablename__ = "tuning_claims"
     __table_args__ = (UniqueConstraint("key", name="uq_tuning_claims_key"),)
@@ -160,10 +137,17 @@ class TuningClaim(Base):
 
 
 class Generation(Base):
-    """One row (id 1) whose counter goes up with every write of results (upsert, import,
-    repair, prune): a serving process compares it to notice new winners cheaply."""
+    """One row (id 1) whose counter every write of results bumps: a serving process compares it
+    to notice new winners cheaply."""
 
     __tablename__ = "tuning_generation"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     generation: Mapped[int] = mapped_column(Integer)
+
+
+DEVICES, BUILDS = Device.__table__, KernelBuild.__table__
+RESULTS, CANDIDATES = TuningResult.__table__, Candidate.__table__
+CLAIMS, GENERATION = TuningClaim.__table__, Generation.__table__
+#: Every table, parents first (the fleet's two tables stand alone).
+TABLES = (DEVICES, BUILDS, RESULTS, CANDIDATES, CLAIMS, GENERATION)

@@ -1,14 +1,10 @@
-"""Pydantic models: everything that leaves ``db/`` is one of these.
+"""What leaves the store: pydantic models, the plain config type, and the store's errors.
 
-Times are microseconds, timestamps aware UTC ``datetime``.  Dtypes are torch
-names without the ``torch.`` prefix.  The models forbid unknown fields so that
-an export file with a typo fails validation instead of losing data.
-
-A kernel config is plain data here (:class:`Config`: a family name and
-positive integer parameters): which families and values exist is the kernel
-layer's vocabulary, checked above the store by a :class:`Config` subclass
-(``kvsplit.config.KernelConfig``) given as ``context={"config": ...}`` to
-``model_validate``, or to :func:`kvsplit.db.open_store` as ``config_type``.
+Times are microseconds, timestamps aware UTC.  Dtypes are torch names without
+``torch.``.  Unknown fields are refused, so an export with a typo fails instead
+of losing data.  A kernel config is plain data here (:class:`Config`); which
+families and values exist is checked above the store by a subclass
+(``kvsplit.config.KernelConfig``) given as ``context={"config": ...}``.
 """
 
 from __future__ import annotations
@@ -23,26 +19,71 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
                       model_validator)
 from pydantic_core import core_schema
 
+# -- errors ----------------------------------------------------------------------------------
+
+
+class StoreError(Exception):
+    """The tuning database cannot be used; the message is one line for people, shown as is."""
+
+
+class NoDatabase(StoreError):
+    """Nothing to read: no such SQLite file, memory, or no kvsplit tables (commands that only read)."""
+
+
+class SchemaTooNew(StoreError):
+    """The database's schema revision is newer than this kvsplit knows."""
+
+    def __init__(self, message: str, revision: str) -> None:
+        super().__init__(message)
+        self.revision = revision
+
+
+class SchemaDamaged(StoreError):
+    """The schema version table is missing, empty, doubled or garbage, or a table is missing."""
+
+
+#: The remedy for damaged rows, named in every message about them.
+REPAIR_HINT = "run `kvsplit db repair` to move them to a quarantine file (`--dry-run` lists them first)"
+
+
+def listed(items: list, shown: int = 3) -> str:
+    """The first ``shown`` items, and how many more."""
+    text = "; ".join(str(item) for item in items[:shown])
+    return text + (f"; and {len(items) - shown} more" if len(items) > shown else "")
+
+
+class DamagedRows(StoreError):
+    """Rows that do not parse; ``damage`` holds one ``kvsplit.db.rows.Damage`` (table, id, problem) each."""
+
+    def __init__(self, url: str, damage: list) -> None:
+        self.damage = list(damage)
+        rows = "row does" if len(self.damage) == 1 else "rows do"
+        super().__init__(f"{url}: {len(self.damage)} {rows} not parse ({listed(self.damage)}); {REPAIR_HINT}")
+
+
+class DbWarning(UserWarning):
+    """A database problem that did not stop the caller: an upgrade in place, a fall-back to memory,
+    skipped rows."""
+
+
+# -- values ----------------------------------------------------------------------------------
+
 Dtype = Literal["bfloat16", "float16", "float32"]
 OutDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"]
-# A key's stats format, with ":scattered" when the stats of adjacent rows are
-# not adjacent in memory (vLLM's and FlashAttention's head-major LSE): one
-# 32-byte sector per row instead of one per band changes what is fastest.
+# ":scattered": the stats of adjacent rows are not adjacent in memory (vLLM's and FlashAttention's
+# head-major LSE): one 32-byte sector per row instead of one per band changes what is fastest.
 StatsFormat = Literal["maxsum", "lse", "maxsum:scattered", "lse:scattered"]
 L2State = Literal["warm", "cold"]
 ImportRule = Literal["newer", "replace", "keep"]
 
-# Upper bound of a 32-bit INTEGER column, so that an oversized value fails
-# validation instead of failing inside the database.
-INT_MAX = 2**31 - 1
+INT_MAX = 2**31 - 1  # an INTEGER column's bound: too large fails validation, not the database
 Positive = Annotated[StrictInt, Field(ge=1, le=INT_MAX)]
 Count = Annotated[StrictInt, Field(ge=0, le=INT_MAX)]
 Micros = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 def no_nul(value: str) -> str:
-    # PostgreSQL's text cannot hold NUL and SQLite's can: refused here, no
-    # backend ever sees one, and an import means the same on both.
+    # PostgreSQL's text cannot hold NUL and SQLite's can: refused here, so no backend sees one.
     if "\x00" in value:
         raise ValueError("holds a NUL character (\\x00), which no tuning database may store")
     return value
@@ -57,12 +98,10 @@ class _Model(BaseModel):
 
 
 def _utc(value: datetime | None) -> datetime | None:
-    # Naive timestamps are taken as UTC: that is how the database stores them.
+    # Naive timestamps are UTC: that is how the database stores them.
     if value is None:
         return None
-    if value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
 
 
 class Config:
@@ -135,11 +174,6 @@ class Config:
             serialization=core_schema.plain_serializer_function_ser_schema(
                 lambda c: {"family": c.family, "params": c.params}))
 
-    @classmethod
-    def __get_pydantic_json_schema__(cls, schema: Any, handler: Any) -> dict:
-        return {"type": "object", "properties": {"family": {"type": "string"}, "params": {"type": "object"}},
-                "required": ["params"]}
-
 
 #: The config every speed-up is measured against: one thread group per row.
 BASELINE_FAMILY = "kvsplit"
@@ -147,7 +181,7 @@ BASELINE = Config(BASELINE_FAMILY, {"kv_split": 1})
 
 
 class DeviceInfo(_Model, frozen=True):
-    """A GPU as seen by the tuner: name, compute capability and SM count."""
+    """A GPU as the tuner saw it: name, compute capability and SM count (MIG slices differ by SMs)."""
 
     name: Text = Field(min_length=1, max_length=128)
     cc_major: int = Field(ge=0, le=99, strict=True)
@@ -160,21 +194,18 @@ class DeviceInfo(_Model, frozen=True):
 
 
 class KernelBuildInfo(_Model, frozen=True):
-    """A compiled kernel library as the database names it."""
+    """A compiled kernel library; ``library_version`` is the kvsplit of its first record."""
 
     build_hash: Text = Field(min_length=1, max_length=128)
     library_version: Text = Field(min_length=1, max_length=64)
 
 
 ChoiceKey = tuple[int, str, str, str, int, int]
+_CHOICE_FIELDS = ("head_dim", "partial_dtype", "out_dtype", "stats_format", "num_splits", "rows")
 
 
 class TuningKey(_Model, frozen=True):
-    """Everything a tuning result depends on.
-
-    ``rows`` and ``num_splits`` may be bucket representatives chosen by the
-    dispatcher; the database stores whatever it is given.
-    """
+    """Everything a tuning result depends on (``rows`` and ``num_splits`` may be bucket representatives)."""
 
     device: DeviceInfo
     build_hash: Text = Field(min_length=1, max_length=128)
@@ -188,32 +219,18 @@ class TuningKey(_Model, frozen=True):
     @property
     def shape_label(self) -> str:
         """The key's shape with each value named (messages and logs)."""
-        return (f"head_dim={self.head_dim} partial_dtype={self.partial_dtype} "
-                f"out_dtype={self.out_dtype} stats_format={self.stats_format} "
-                f"num_splits={self.num_splits} rows={self.rows}")
+        return " ".join(f"{name}={getattr(self, name)}" for name in _CHOICE_FIELDS)
 
     @property
     def choice_key(self) -> ChoiceKey:
-        """The key of :meth:`Store.load_choices`.
-
-        ``(head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows)``
-        """
-        return (
-            self.head_dim,
-            self.partial_dtype,
-            self.out_dtype,
-            self.stats_format,
-            self.num_splits,
-            self.rows,
-        )
+        """The key of :meth:`Store.load_choices`: ``(head_dim, partial_dtype, out_dtype, stats_format,
+        num_splits, rows)``."""
+        return tuple(getattr(self, name) for name in _CHOICE_FIELDS)  # type: ignore[return-value]
 
 
 class TuningPolicy(_Model):
-    """How the winner was chosen.
-
-    ``noise_margin`` is relative (0.02 = 2 %): a larger config must beat a
-    smaller one by more than this to win.
-    """
+    """How the winner was chosen; ``noise_margin`` is relative (0.02: a larger config must beat a
+    smaller one by more than 2 %)."""
 
     l2_state: L2State = "warm"
     repeats: Positive
@@ -221,11 +238,8 @@ class TuningPolicy(_Model):
 
 
 class CandidateResult(_Model):
-    """One measured config; times in microseconds per launch.
-
-    ``samples == 0`` records a candidate that failed (raised) before it could
-    be timed: its times are 0 and it did not match.
-    """
+    """One measured config; times in microseconds per launch.  ``samples == 0``: it raised before
+    it could be timed (times 0, not matched)."""
 
     config: Config
     median_us: Micros
@@ -249,11 +263,8 @@ class CandidateResult(_Model):
 
 
 class TuningRecord(_Model):
-    """A tuning result: key, winner, policy and every candidate measured.
-
-    ``candidates`` may be empty (a table that ships winners only); otherwise
-    the winner must be one of them and must have matched kv_split=1.
-    """
+    """A tuning result: key, winner, policy and every candidate measured.  ``candidates`` may be
+    empty (winners only); otherwise the winner is one of them and matched kv_split=1."""
 
     key: TuningKey
     winner: Config
@@ -336,13 +347,9 @@ class PruneResult(_Model):
 
 
 class RepairResult(_Model):
-    """What ``repair`` did (or, with ``dry_run``, would do).
-
-    ``quarantined`` counts rows per table: the rows that do not parse, and the
-    rows that cannot stand without them (results of a damaged device or build,
-    candidates of a quarantined result).  ``problems`` has one line per row
-    that does not parse itself; ``schema_repairs`` one line per repair of the schema.
-    """
+    """What ``repair`` did (or would do): rows quarantined per table (those that do not parse and
+    those that cannot stand without them), one problem line per row that does not parse itself,
+    one line per repair of the schema."""
 
     dry_run: bool
     quarantined: dict[str, int]
@@ -367,8 +374,8 @@ class DeviceStats(_Model):
 
 
 class BuildStats(_Model):
-    """Per-build summary; ``stale`` as defined by :meth:`Store.stats`; ``installed``: the
-    build of this kvsplit (CUDA or CPU), as the command sets it."""
+    """Per-build summary; ``stale`` as :meth:`Store.stats` says; ``installed``: a build of this
+    kvsplit (CUDA or CPU), as the command sets it."""
 
     build_hash: str
     library_version: str
@@ -390,17 +397,14 @@ class StoreStats(_Model):
     newest: datetime | None
 
 
-# -- fleet tuning ---------------------------------------------------------------------------
+# -- fleet tuning ----------------------------------------------------------------------------
 
 ClaimState = Literal["open", "claimed", "done", "failed"]
 
 
 class ClaimInfo(_Model):
-    """One key of a fleet's grid as the claims table holds it (see :mod:`kvsplit.db.claims`).
-
-    Times come from the database server's clock.  A ``claimed`` claim whose
-    ``expires_at`` has passed may be taken over by any worker.
-    """
+    """One key of a fleet's grid as the claims table holds it (server clock times; a ``claimed``
+    claim past ``expires_at`` may be taken over)."""
 
     key: TuningKey
     state: ClaimState
@@ -436,10 +440,8 @@ class WorkerProgress(_Model):
 class Progress(_Model):
     """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``.
 
-    ``done``: a result is stored; ``claimed``: a worker holds a live lease;
-    ``failed``: the last attempt failed (``failures`` says why); ``left``:
-    everything else, including ``expired`` claims (their worker stopped
-    renewing: any worker may take them over).
+    ``done``: a result is stored; ``claimed``: a live lease; ``failed``: the last attempt failed
+    (``failures`` say why); ``left``: the rest, ``expired`` claims included (claimable).
     """
 
     url: str

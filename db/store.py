@@ -1,64 +1,51 @@
-"""The tuning store: upserts and queries over one engine.
+"""The tuning store: opening a database three ways, and its operations, each one short transaction.
 
-Every operation is one short transaction.  Rows become the pydantic models of
-:mod:`.schemas` in :mod:`.rows` only, before the session closes; none leaves.
-A row that does not parse is never an exception in a read: the store raises
-:class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it
-with a :class:`DbWarning` that names each row once (``"warn"``, library
-callers).
-A store opened with ``fallback=True`` (library callers) never raises for a
-database problem: it warns once and carries on with an in-memory database.
-Such a store also watches its SQLite file (see :mod:`.watch`) before each
-transaction: deleted, emptied or made immutable, it warns once and goes on in
-memory; replaced by another file, it warns once and uses the new one.
+Rows become models in :mod:`.rows` only, before the session closes.  A row that
+does not parse is never an exception in a read: the store raises
+:class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it with one
+:class:`DbWarning` naming each row once (``"warn"``, library callers).  A store of a
+library caller (``fallback``) never raises for a database problem: it warns once
+and goes on in memory; it also checks its SQLite file before each transaction
+(deleted, emptied or made immutable: memory; replaced: the new file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
+import os
 import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
-from sqlalchemy import Engine
+import platformdirs
+from sqlalchemy import Engine, delete
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from . import repair as repairing
-from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, create_db_engine, default_quarantine_path, describe_error,
-                     engine_name, is_memory_url)
-from .errors import REPAIR_HINT, DamagedRows, DbWarning, StoreError, listed
-from .migrate import ensure_schema
-from .rows import (BUILDS, DEVICES, RESULTS, Damage, bump_generation, device_is, find_for_write, key_conditions,
-                   merge_records, prune_results, read_generation, read_records, scan, stale_build_ids, write_record)
-from .schemas import (BuildStats, ChoiceKey, Config, DeviceInfo, DeviceStats, ExportFile, ImportRule, ImportSummary,
-                      PruneResult, RepairResult, StoreStats, TuningKey, TuningRecord, tool_version)
-from .targets import Target
-from .watch import FileWatch
+from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_db_engine, describe_error, engine_name,
+                     is_memory_url, parse_target, stat_file)
+from .migrate import ensure_schema, head_revision, restore_schema
+from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
+from .rows import (Damage, bump_generation, device_is, find_for_write, key_conditions, merge_records, prune_results,
+                   read, read_generation, stale_build_ids, write_record)
+from .schemas import (REPAIR_HINT, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, DeviceStats,
+                      ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult, StoreError,
+                      StoreStats, TuningKey, TuningRecord, listed, tool_version)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
 OnDamage = Literal["raise", "warn"]
-MEMORY_URL = "sqlite://"
-# A concurrent writer (PostgreSQL) may insert the same device, build or key
-# between our SELECT and INSERT; the retry then finds its row and updates it.
+# A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT
+# and INSERT; the retry then finds its row and updates it.
 _WRITE_ATTEMPTS = 5
-
-
-_WRITE_OPTIONS = {WRITE_OPTION: True}
-
-
-def _read_options(engine: Engine) -> dict[str, object]:
-    # A read is several statements (results, then their candidates).  Under
-    # PostgreSQL's default READ COMMITTED each sees a new snapshot, so a writer
-    # committing in between could pair one writer's winner with another's
-    # candidates.  SQLite transactions are snapshots already.
-    return {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
+_CHUNK = 500  # ids per DELETE, well under every backend's parameter limit
 
 
 def _now() -> datetime:
@@ -76,49 +63,27 @@ def _watch(target: Target | None) -> FileWatch | None:
 
 def memory_engine() -> Engine:
     """A fresh in-memory SQLite engine with the schema at head."""
-    engine = create_db_engine(MEMORY_URL)
+    engine = create_db_engine("sqlite://")
     ensure_schema(engine)
     return engine
 
 
 class Store:
-    """Tuning results in a database reached through one SQLAlchemy engine.
+    """Tuning results in a database reached through one SQLAlchemy engine, at the head revision.
 
-    Use :func:`kvsplit.db.open_store` or :func:`kvsplit.db.open_store_for_library`
-    rather than this constructor: they create the schema or upgrade it.
-
-    Parameters
-    ----------
-    engine : sqlalchemy.Engine
-        Engine whose database is already at the head revision.
-    target : Target, optional
-        The database the engine was created for (its SQLite file is watched
-        with ``fallback``, and reopened when replaced).
-    fallback : bool
-        If true, a database error warns once (:class:`DbWarning`) and the store
-        continues in memory; if false it raises :class:`StoreError`.
-    timeout_s : float
-        Busy timeout the engine was created with, for messages.
-    on_damage : {"raise", "warn"}, optional
-        Rows that do not parse: raise :class:`DamagedRows`, or skip them with
-        one :class:`DbWarning` naming each row once.  Default ``"warn"`` with
-        ``fallback``, else ``"raise"``.
-    config_type : type of Config
-        What stored configs become: plain :class:`Config` data, or a subclass
-        that checks the kernel layer's vocabulary (``kvsplit.config.KernelConfig``),
-        so that a config it refuses is a row that does not parse.
+    Open it with :func:`open_store`, :func:`open_store_for_library` or
+    :func:`open_store_for_repair`.  ``target`` is the database the engine was made
+    for (its file is watched with ``fallback`` and reopened when replaced);
+    ``timeout_s`` the busy timeout, for messages; ``on_damage`` defaults to
+    ``"warn"`` with ``fallback``, else ``"raise"``.  ``config_type`` is what stored
+    configs become: plain :class:`Config`, or a subclass that checks the kernel
+    layer's vocabulary (``kvsplit.config.KernelConfig``), so that a config it
+    refuses is a row that does not parse.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        target: Target | None = None,
-        fallback: bool = False,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        on_damage: OnDamage | None = None,
-        config_type: type[Config] = Config,
-    ):
+    def __init__(self, engine: Engine, *, target: Target | None = None, fallback: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, on_damage: OnDamage | None = None,
+                 config_type: type[Config] = Config):
         self._engine = engine
         self._context = {"config": config_type}
         self._target = target
@@ -131,8 +96,6 @@ class Store:
         self._warned: set[tuple[str, object]] = set()
         self._swap_lock = threading.Lock()
         self._memory_lock = threading.RLock()
-
-    # -- plumbing -----------------------------------------------------------
 
     @property
     def url(self) -> str:
@@ -164,17 +127,19 @@ class Store:
     def transaction(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
         """Run ``work(session)`` in one transaction, as every operation of the store does.
 
-        Database errors become :class:`StoreError` (or, with ``fallback``, a
-        warning and memory); a write that meets a unique-key race is retried.
-        ``bump`` also advances the generation counter in the same transaction
-        (a write of results).
+        Database errors become :class:`StoreError` (with ``fallback``, a warning
+        and memory); a write that meets a unique-key race is retried.  ``bump``
+        advances the generation counter in the same transaction (a write of results).
         """
         attempt = 0
         while True:
             if self._watch is not None:
                 self._check_file(self._watch)
             engine = self._engine
-            bound = engine.execution_options(**(_WRITE_OPTIONS if write else _read_options(engine)))
+            # A read is several statements: under PostgreSQL's READ COMMITTED each would see a new
+            # snapshot and could pair one writer's winner with another's candidates.
+            isolation = {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
+            bound = engine.execution_options(**({WRITE_OPTION: True} if write else isolation))
             # One in-memory connection serves every thread: transactions must not interleave.
             guard = self._memory_lock if self.in_memory else contextlib.nullcontext()
             try:
@@ -195,8 +160,7 @@ class Store:
             except StoreError:
                 raise
             except Exception as exc:
-                # A library caller's merge must go on whatever the database holds.
-                if not self._fallback:
+                if not self._fallback:  # a library caller's merge must go on whatever the database holds
                     raise
                 self._failed(exc, engine)
 
@@ -207,18 +171,15 @@ class Store:
         with self._swap_lock:
             if self._engine is not engine:
                 return  # another thread already moved to memory; just retry there
-            warnings.warn(
-                f"kvsplit tuning database unusable, continuing in memory: {message}",
-                DbWarning,
-                stacklevel=4,
-            )
+            warnings.warn(f"kvsplit tuning database unusable, continuing in memory: {message}", DbWarning,
+                          stacklevel=4)
             self._engine = memory_engine()
             self._watch = None
         engine.dispose()
 
     def _check_file(self, watch: FileWatch) -> None:
-        """Before a transaction of a serving store: is the file still the one opened? If not,
-        one warning, and the new file (when one replaced it and it opens) or memory."""
+        # Is the file still the one opened?  If not: one warning, and the new file (when one
+        # replaced it and it opens) or memory.
         change = watch.changed()
         if change is None:
             return
@@ -230,16 +191,16 @@ class Store:
             if engine is not None:
                 self._watch = _watch(self._target)
                 self.reopened += 1
-                outcome = "reading and writing the new file from now on"
+                outcome = ": reading and writing the new file from now on"
             else:
                 engine, self._watch = memory_engine(), None
                 unusable = f"; the new file cannot be used ({problem})" if problem else ""
                 outcome = f"{unusable}; continuing in memory (what is profiled from now on stays in this process)"
-            warnings.warn(f"kvsplit tuning database {engine_name(old)} {change.what}"
-                          f"{outcome if outcome.startswith(';') else ': ' + outcome}", DbWarning, stacklevel=5)
+            warnings.warn(f"kvsplit tuning database {engine_name(old)} {change.what}{outcome}", DbWarning,
+                          stacklevel=5)
             self._engine = engine
-        # An immutable file's connections are dropped, never closed: closing writes
-        # to its mapped shared-memory index, which is what kills the process.
+        # An immutable file's connections are dropped, never closed: closing writes to its
+        # mapped shared-memory index, which is what kills the process.
         old.dispose(close="immutable" not in change.what)
 
     def _reopen(self) -> tuple[Engine | None, str | None]:
@@ -254,8 +215,8 @@ class Store:
             return None, str(exc) if isinstance(exc, StoreError) else describe_error(exc, self.url, self._timeout_s)
         return engine, None
 
-    def _read(self, work: Callable[[Session], tuple[T, list[Damage]]]) -> T:
-        value, damage = self.transaction(work, write=False)
+    def _read(self, work: Callable[[Session], tuple[T, list[Damage]]], **options: Any) -> T:
+        value, damage = self.transaction(work, **{"write": False, **options})
         self._report(damage)
         return value
 
@@ -268,21 +229,21 @@ class Store:
         if new:
             self._warned.update(d.where for d in new)
             rows = "row that does" if len(new) == 1 else "rows that do"
-            warnings.warn(
-                f"kvsplit tuning database {self.url}: skipped {len(new)} {rows} not parse "
-                f"({listed(new)}); {REPAIR_HINT}",
-                DbWarning,
-                stacklevel=3,
-            )
+            warnings.warn(f"kvsplit tuning database {self.url}: skipped {len(new)} {rows} not parse "
+                          f"({listed(new)}); {REPAIR_HINT}", DbWarning, stacklevel=3)
 
-    # -- writes -------------------------------------------------------------
+    def _records(self, where: list, **options: Any) -> list[TuningRecord]:
+        def work(session: Session) -> tuple[list[TuningRecord], list[Damage]]:
+            found = read(session, where, **options)
+            return list(found.records.values()), found.damage
+
+        return self._read(work)
+
+    # -- writes and reads ----------------------------------------------------------------------
 
     def upsert(self, record: TuningRecord) -> None:
-        """Insert ``record``, or replace the result and candidates stored for its key.
-
-        ``updated_at`` becomes now; ``created_at`` is kept from the stored
-        result (or the record, or now).
-        """
+        """Insert ``record``, or replace the result and candidates stored for its key (``updated_at``
+        becomes now; ``created_at`` is kept from the stored result, or the record, or now)."""
         self.upsert_many([record])
 
     def upsert_many(self, records: Iterable[TuningRecord]) -> None:
@@ -296,99 +257,51 @@ class Store:
 
         self.transaction(work, write=True, bump=True)
 
-    # -- reads --------------------------------------------------------------
-
     def get(self, key: TuningKey) -> TuningRecord | None:
         """The record stored for ``key``, or ``None``."""
-
-        def work(session: Session) -> tuple[TuningRecord | None, list[Damage]]:
-            found = read_records(session, key_conditions(key))
-            return (found.records[0].record if found.records else None), found.damage
-
-        return self._read(work)
+        return next(iter(self._records(key_conditions(key))), None)
 
     def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, Config]:
-        """Every winner for one device and build, in one query.
+        """Every winner for one device and build, by ``TuningKey.choice_key``, as ``config_type``
+        (rows that do not parse left out, as ``on_damage`` says; candidates are not read)."""
+        records = self._records([*device_is(device), BUILDS.c.build_hash == build_hash], candidates=False)
+        return {record.key.choice_key: record.winner for record in records}
 
-        Returns
-        -------
-        dict
-            ``(head_dim, partial_dtype, out_dtype, stats_format, num_splits, rows)``
-            -> winning config (of ``config_type``).  Rows that do not parse (a
-            config that ``config_type`` refuses among them) are left out, as
-            ``on_damage`` says.  Candidates are not read.
-        """
-        where = [*device_is(device), BUILDS.c.build_hash == build_hash]
-
-        def work(session: Session) -> tuple[dict[ChoiceKey, Config], list[Damage]]:
-            found = read_records(session, where, candidates=False)
-            return {s.record.key.choice_key: s.record.winner for s in found.records}, found.damage
-
-        return self._read(work)
-
-    def query(
-        self,
-        *,
-        device: DeviceInfo | str | None = None,
-        build_hash: str | None = None,
-        head_dim: int | None = None,
-        dtype: str | None = None,
-        out_dtype: str | None = None,
-        stats_format: str | None = None,
-        num_splits: int | Iterable[int] | None = None,
-        rows: int | Iterable[int] | None = None,
-    ) -> list[TuningRecord]:
+    def query(self, *, device: DeviceInfo | str | None = None, build_hash: str | None = None,
+              head_dim: int | None = None, dtype: str | None = None, out_dtype: str | None = None,
+              stats_format: str | None = None, num_splits: int | Iterable[int] | None = None,
+              rows: int | Iterable[int] | None = None) -> list[TuningRecord]:
         """Records matching every filter given, in key order.
 
         ``device`` is a :class:`DeviceInfo` (exact) or a string matched
-        case-insensitively against part of the device name; ``dtype`` filters
-        the partials' dtype; ``num_splits`` and ``rows`` may be several values
-        (any of them matches).
+        case-insensitively against part of the device name; ``dtype`` filters the
+        partials' dtype; ``num_splits`` and ``rows`` may be several values.
         """
-        text_filters = (build_hash, dtype, out_dtype, stats_format)  # a device is device_is()'s
-        if any(value is not None and "\x00" in value for value in text_filters):
-            return []  # no stored text holds a NUL (see schemas.Text); PostgreSQL would refuse the parameter
+        if any(value is not None and "\x00" in value for value in (build_hash, dtype, out_dtype, stats_format)):
+            return []  # no stored text holds a NUL; PostgreSQL would refuse the parameter
         r = RESULTS.c
-        conditions = [
-            col.in_(list(value)) if isinstance(value, Iterable) and not isinstance(value, str) else col == value
-            for col, value in (
-                (BUILDS.c.build_hash, build_hash),
-                (r.head_dim, head_dim),
-                (r.partial_dtype, dtype),
-                (r.out_dtype, out_dtype),
-                (r.stats_format, stats_format),
-                (r.num_splits, num_splits),
-                (r.rows, rows),
-            )
-            if value is not None
-        ]
+        columns = {BUILDS.c.build_hash: build_hash, r.head_dim: head_dim, r.partial_dtype: dtype,
+                   r.out_dtype: out_dtype, r.stats_format: stats_format, r.num_splits: num_splits, r.rows: rows}
+        conditions = [column.in_(list(value)) if isinstance(value, Iterable) and not isinstance(value, str)
+                      else column == value for column, value in columns.items() if value is not None]
         if device is not None:
             conditions.extend(device_is(device))
-
         order = (DEVICES.c.name, DEVICES.c.sm_count, BUILDS.c.build_hash, r.head_dim, r.partial_dtype, r.out_dtype,
                  r.stats_format, r.num_splits, r.rows)
-
-        def work(session: Session) -> tuple[list[TuningRecord], list[Damage]]:
-            found = read_records(session, conditions, order_by=order)
-            return [stored.record for stored in found.records], found.damage
-
-        return self._read(work)
+        return self._records(conditions, order_by=order)
 
     def stats(self, current_build: str | Collection[str] | None = None) -> StoreStats:
         """Keys per device, mean speed-up of the winner over kv_split=1, times, stale builds.
 
-        A build is stale if its hash is not ``current_build`` (one hash or several, e.g.
-        the installed CUDA and CPU builds); when that is ``None``, every build but the
-        one with the most recently updated result.
+        A build is stale if its hash is not ``current_build`` (one hash or several,
+        e.g. the installed CUDA and CPU builds); when that is ``None``, every build
+        but the one with the most recently updated result.
         """
 
         def work(session: Session) -> tuple[StoreStats, list[Damage]]:
-            everything = scan(session)
-            builds = everything.builds
-            stale = {builds[i].build_hash for i in stale_build_ids(session, current_build) if i in builds}
-            records = [stored.record for stored in everything.records]
-            named = (current_build if current_build is None or isinstance(current_build, str)
-                     else ",".join(sorted(current_build)))
+            found = read(session)
+            stale = {found.builds[i].build_hash for i in stale_build_ids(session, current_build) if i in found.builds}
+            records = list(found.records.values())
             per_device: dict[DeviceInfo, list[TuningRecord]] = defaultdict(list)
             per_build: dict[str, list[TuningRecord]] = defaultdict(list)
             for record in records:
@@ -400,29 +313,27 @@ class Store:
                 devices.append(DeviceStats(
                     device=device, keys=len(recs), mean_speedup=sum(speedups) / len(speedups) if speedups else None,
                     max_speedup=max(speedups, default=None), oldest=_span(recs)[0], newest=_span(recs)[1]))
-            versions = sorted({b.build_hash: b.library_version for b in builds.values()}.items())
+            versions = sorted({b.build_hash: b.library_version for b in found.builds.values()}.items())
+            named = (current_build if current_build is None or isinstance(current_build, str)
+                     else ",".join(sorted(current_build)))
             return StoreStats(
                 url=self.url, keys=len(records), devices=devices, current_build=named,
                 builds=[BuildStats(build_hash=h, library_version=v, keys=len(per_build[h]),
                                    newest=_span(per_build[h])[1], stale=h in stale) for h, v in versions],
-                oldest=_span(records)[0], newest=_span(records)[1]), everything.damage
+                oldest=_span(records)[0], newest=_span(records)[1]), found.damage
 
         return self._read(work)
 
     def generation(self) -> object:
-        """The generation counter as stored (``None`` before the first write).
-
-        It changes with every write of results (upsert, import, repair,
-        prune), here or in any other process: one primary-key lookup tells a
-        process whether its cached winners are still current.
-        """
+        """The generation counter as stored (``None`` before the first write): it changes with every
+        write of results, here or in any other process."""
         return self.transaction(read_generation, write=False)
 
-    # -- damage -------------------------------------------------------------
+    # -- damage --------------------------------------------------------------------------------
 
     def damage(self) -> list[Damage]:
         """Every row that does not parse, and every row that cannot stand without one (never raises for them)."""
-        return self.transaction(lambda session: scan(session).damage, write=False)
+        return self.transaction(lambda session: read(session).damage, write=False)
 
     def check(self) -> None:
         """Raise :class:`DamagedRows` if any row does not parse, whatever ``on_damage`` says."""
@@ -433,110 +344,85 @@ class Store:
     def repair(self, quarantine: Path | None = None, *, dry_run: bool = False) -> RepairResult:
         """Move every row that does not parse, and the rows that depend on it, to a quarantine file.
 
-        One transaction: the rows are written to ``quarantine`` (JSON lines,
-        appended; default beside an SQLite file, else ``quarantine.jsonl`` in
-        the user cache directory) and then deleted; if the file cannot be
-        written nothing is deleted.  Every other row stays as it was.
-
-        Raises
-        ------
-        OSError
-            The quarantine file cannot be written (nothing was deleted).
+        One transaction: the rows are appended to ``quarantine`` as JSON lines with
+        every stored value (default: beside an SQLite file, else ``quarantine.jsonl``
+        in the user cache directory), then deleted; an ``OSError`` writing the file
+        deletes nothing.  Every other row stays as it was.
         """
+        if quarantine is None and self._target is not None and self._target.path is not None:
+            quarantine = self._target.path.with_name(self._target.path.name + ".quarantine.jsonl")
+        target = Path(quarantine or Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl")
 
         def work(session: Session) -> RepairResult:
-            default = default_quarantine_path(self._target.path if self._target is not None else None)
-            return repairing.quarantine(session, self.url, default, quarantine, dry_run=dry_run)
+            found = read(session)
+            chosen = {d.where: (d.problem, dict(d.raw)) for d in found.damage}
+            gone = {row_id for table, row_id in chosen if table == RESULTS.name}
+            for candidate_id, row in found.raw[CANDIDATES.name].items():
+                if row["result_id"] in gone and (CANDIDATES.name, candidate_id) not in chosen:
+                    chosen[(CANDIDATES.name, candidate_id)] = (
+                        f"belongs to tuning_results id {row['result_id']}, which is quarantined", row)
+            counts = {t.name: sum(1 for table, _ in chosen if table == t.name) for t in TABLES}
+            result = RepairResult(dry_run=dry_run, quarantined={t: n for t, n in counts.items() if n},
+                                  problems=[str(d) for d in found.damage], schema_repairs=[],
+                                  quarantine_file=str(target) if chosen else None)
+            if dry_run or not chosen:
+                return result
+            now = _now().isoformat()
+            lines = [json.dumps({"quarantined_at": now, "database": self.url, "table": table, "id": _json_safe(row_id),
+                                 "problem": problem, "row": {k: _json_safe(v) for k, v in raw.items()}},
+                                sort_keys=True) for (table, row_id), (problem, raw) in chosen.items()]
+            # The file first, inside the transaction: if it cannot be written, nothing is deleted.
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("a", encoding="utf-8") as out:
+                out.write("\n".join(lines) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+            for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):  # children first
+                ids = [row_id for t, row_id in chosen if t == table.name]
+                for start in range(0, len(ids), _CHUNK):
+                    session.execute(delete(table).where(table.c.id.in_(ids[start:start + _CHUNK])))
+            return result
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
 
-    # -- pruning ------------------------------------------------------------
+    # -- pruning and exchange ------------------------------------------------------------------
 
-    def prune(
-        self,
-        *,
-        stale_builds: bool = False,
-        current_build: str | Collection[str] | None = None,
-        other_devices_than: DeviceInfo | str | None = None,
-        older_than: timedelta | None = None,
-        dry_run: bool = False,
-    ) -> PruneResult:
-        """Delete results matching any criterion given; devices and builds left empty go too.
+    def prune(self, *, stale_builds: bool = False, current_build: str | Collection[str] | None = None,
+              other_devices_than: DeviceInfo | str | None = None, older_than: timedelta | None = None,
+              dry_run: bool = False) -> PruneResult:
+        """Delete the results matching any criterion given; devices and builds left empty go too.
 
-        Parameters
-        ----------
-        stale_builds : bool
-            Results of stale builds (see :meth:`stats` for ``current_build``, which
-            may here also be several hashes, all kept).
-        other_devices_than : DeviceInfo or str, optional
-            Results of every device but this one (a string matches part of the
-            name, and must match at least one device).
-        older_than : timedelta, optional
-            Results last updated longer ago than this.
-        dry_run : bool
-            Only report what would be deleted.
-
-        Raises
-        ------
-        ValueError
-            ``other_devices_than`` is a string that matches no device.
+        ``stale_builds``: results of stale builds (see :meth:`stats`; ``current_build``
+        may be several hashes, all kept); ``other_devices_than``: of every device but
+        this one (a string matches part of the name and must match a device, else
+        ``ValueError``); ``older_than``: last updated longer ago; ``dry_run``: only report.
         """
         if not (stale_builds or other_devices_than is not None or older_than is not None):
             return PruneResult(keys=[], dry_run=dry_run)
         cutoff = _now() - older_than if older_than is not None else None
 
         def work(session: Session) -> tuple[PruneResult, list[Damage]]:
-            keys, damage = prune_results(
-                session,
-                stale_builds=stale_builds,
-                current_build=current_build,
-                other_devices_than=other_devices_than,
-                cutoff=cutoff,
-                dry_run=dry_run,
-            )
+            keys, damage = prune_results(session, stale_builds=stale_builds, current_build=current_build,
+                                         other_devices_than=other_devices_than, cutoff=cutoff, dry_run=dry_run)
             if damage and self._on_damage == "raise":
                 raise DamagedRows(self.url, damage)  # before the transaction commits: nothing deleted
             return PruneResult(keys=keys, dry_run=dry_run), damage
 
-        value, damage = self.transaction(work, write=not dry_run, bump=not dry_run)
-        self._report(damage)
-        return value
-
-    # -- exchange -----------------------------------------------------------
+        return self._read(work, write=not dry_run, bump=not dry_run)
 
     def export_records(self, **filters: object) -> ExportFile:
         """An :class:`ExportFile` of the records matching ``filters`` (as :meth:`query`), stamped now."""
         return ExportFile(exported_at=_now(), tool_version=tool_version(), records=self.query(**filters))
 
-    def import_records(
-        self,
-        source: ExportFile | Iterable[TuningRecord],
-        *,
-        rule: ImportRule = "newer",
-        dry_run: bool = False,
-    ) -> ImportSummary:
+    def import_records(self, source: ExportFile | Iterable[TuningRecord], *, rule: ImportRule = "newer",
+                       dry_run: bool = False) -> ImportSummary:
         """Merge records into the store, all or nothing, in one transaction.
 
-        Parameters
-        ----------
-        source : ExportFile or iterable of TuningRecord
-            An export file is read and validated above the store
-            (``kvsplit.export.parse_export``); records are validated again here
-            (against ``config_type`` too), and two of one key are refused.
-        rule : {"newer", "replace", "keep"}
-            For a key already stored: ``"newer"`` replaces it only if the
-            incoming ``updated_at`` is strictly later (a tie, or an incoming
-            record without ``updated_at``, keeps the stored one);
-            ``"replace"`` always replaces; ``"keep"`` never does.  Keys not
-            yet stored are always inserted.  Timestamps are kept as imported.
-        dry_run : bool
-            Count what would happen; write nothing.
-
-        Raises
-        ------
-        ValueError
-            A record failed validation (``pydantic.ValidationError``), or
-            two have one key; nothing was written.
+        Records are validated again (against ``config_type`` too) and two of one key
+        are refused: ``ValueError``, nothing written.  For a key already stored,
+        ``"newer"`` replaces it only if the incoming ``updated_at`` is strictly later,
+        ``"replace"`` always, ``"keep"`` never; new keys are inserted; timestamps are
+        kept as imported.  ``dry_run`` counts what would happen.
         """
         # A record changed with model_copy(update=...) was never validated: all are, again.
         records = [TuningRecord.model_validate(r.model_dump(), context=self._context)
@@ -555,3 +441,121 @@ def _span(records: list[TuningRecord]) -> tuple[datetime | None, datetime | None
     times = [r.updated_at for r in records if r.updated_at is not None]
     return (min(times), max(times)) if times else (None, None)
 
+
+def _json_safe(value: Any) -> Any:
+    # A stored value as JSON, whatever it is: invalid UTF-8 and bytes as hex, inf and NaN as text.
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return {"hex": value.encode("utf-8", "surrogateescape").hex()}
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"hex": bytes(value).hex()}
+    return value if value is None or isinstance(value, (bool, int)) else str(value)
+
+
+# -- opening ---------------------------------------------------------------------------------
+
+
+def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:
+    target = parse_target(url)
+    if target.memory and not create:
+        raise NoDatabase(f"{target.shown}: an in-memory database starts empty in every process, so there is "
+                         f"nothing to read; give the file or server that holds the tuning results with --db / "
+                         f"KVSPLIT_DB")
+    # Looked at before SQLite sees it, so that a path that cannot name a file here is said to be one.
+    if target.path is not None and stat_file(target) is None and not create:
+        raise NoDatabase(f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
+                         f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
+                         f"import` do)")
+    return create_db_engine(target, timeout_s=timeout_s, pooled=pooled), target
+
+
+def _guarded(engine: Engine, timeout_s: float, step: Callable[[], T]) -> T:
+    # A schema step; database failures become StoreError with the store's message.
+    try:
+        return step()
+    except StoreError:
+        engine.dispose()
+        raise
+    except (SQLAlchemyError, OSError, ValueError) as exc:  # ValueError: a driver refusing a value of the URL
+        engine.dispose()
+        raise StoreError(describe_error(exc, engine_name(engine), timeout_s)) from exc
+
+
+def _ready_engine(url: str | None, timeout_s: float, *, create: bool = True,
+                  pooled: bool = True) -> tuple[Engine, Target]:
+    engine, target = _engine(url, timeout_s, create=create, pooled=pooled)
+    upgraded_from = _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=create))
+    if upgraded_from is not None:
+        warnings.warn(f"kvsplit upgraded the tuning database {target.shown} from schema revision {upgraded_from} "
+                      f"to {head_revision()}", DbWarning, stacklevel=3)
+    return engine, target
+
+
+def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, create: bool = True,
+               on_damage: OnDamage = "raise", config_type: type[Config] = Config) -> Store:
+    """Open the tuning database, creating or upgrading its schema (an upgrade warns once).
+
+    Parameters
+    ----------
+    url : str, optional
+        SQLAlchemy URL (it has a scheme) or SQLite file path (taken literally; see
+        :mod:`kvsplit.db.engine`); default ``$KVSPLIT_DB``, else ``tuning.sqlite``
+        in the user cache directory.
+    timeout_s : float
+        How long to wait for another process's lock, in seconds.
+    create : bool
+        If false, a missing SQLite file, memory or a database without kvsplit
+        tables is :class:`NoDatabase` (commands that only read).
+    on_damage : {"raise", "warn"}
+        A read that meets rows that do not parse raises :class:`DamagedRows`, or
+        skips them with one :class:`DbWarning`.
+    config_type : type of Config
+        What stored configs become (see :class:`Store`).
+
+    Raises
+    ------
+    StoreError
+        Bad URL or path, missing driver, unreachable server, corrupt, unreadable,
+        read-only or locked database, damaged version table; :class:`SchemaTooNew`.
+    """
+    engine, target = _ready_engine(url, timeout_s, create=create)
+    return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)
+
+
+def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                           config_type: type[Config] = Config) -> Store:
+    """Open the tuning database for a library caller: never raises for a database problem.
+
+    A database that cannot be used gives one :class:`DbWarning` naming the problem
+    and an in-memory store; so does a problem met later; rows that do not parse are
+    skipped with one warning; an SQLite file is watched (see :class:`Store`).
+    """
+    try:
+        # No SQLite connection kept between transactions: an idle serving process then maps
+        # nothing of the file's -shm index, which would be SIGBUS once the file is made immutable.
+        engine, target = _ready_engine(url, timeout_s, pooled=False)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the caller's merge must go on
+        warnings.warn(f"kvsplit tuning database unusable, continuing in memory: {exc}", DbWarning, stacklevel=2)
+        return Store(memory_engine(), fallback=True, timeout_s=timeout_s, config_type=config_type)
+    return Store(engine, target=target, fallback=True, timeout_s=timeout_s, config_type=config_type)
+
+
+def open_store_for_repair(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, dry_run: bool = False,
+                          config_type: type[Config] = Config) -> tuple[Store, list[str]]:
+    """Open a database that may be damaged, for :meth:`Store.repair`; never creates one.
+
+    A damaged version table or missing tables are restored first (with ``dry_run``
+    only listed: :func:`kvsplit.db.migrate.restore_schema`).  Returns the store and
+    one line per schema repair.  Raises as :func:`open_store` (a newer schema is
+    :class:`SchemaTooNew`, left alone).
+    """
+    engine, target = _engine(url, timeout_s, create=False)
+    done = _guarded(engine, timeout_s, lambda: restore_schema(engine, dry_run=dry_run))
+    if not (dry_run and done):
+        _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=False))
+    return Store(engine, target=target, timeout_s=timeout_s, on_damage="raise", config_type=config_type), done

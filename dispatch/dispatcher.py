@@ -374,7 +374,7 @@ class Dispatcher:
             store, url = self._store, self._store_url
             if store is None or store.in_memory != self._store_in_memory:
                 return False
-            current = store.generation()  # the store checks its file first (see kvsplit.db.watch)
+            current = store.generation()  # the store checks its file first (see kvsplit.db.engine.FileWatch)
             if store.in_memory != self._store_in_memory:  # that very read failed over to memory
                 return False
             reopened, self._store_reopened = store.reopened != self._store_reopened, store.reopened

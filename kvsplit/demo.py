@@ -51,7 +51,7 @@ def run(device: str | None, seed: int) -> int:
 
 def _report(partial_o: torch.Tensor, rows: int, elapsed_ms: float) -> None:
     from .db import StoreError
-    from .db.targets import parse_target, shown_as_given
+    from .db.engine import parse_target, shown_as_given
     from .dispatch.device import device_facts
     from .dispatch.dispatcher import dispatcher
 

@@ -10,10 +10,9 @@ from .config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
 
 def _database(url: str | None) -> tuple[str, str, bool]:
     """The database as given, one line on its state and whether it has a problem; never creates it."""
-    from .db import StoreError, open_store
-    from .db.errors import NoDatabase
+    from .db import NoDatabase, StoreError, open_store
     from .config import KernelConfig
-    from .db.targets import parse_target, shown_as_given
+    from .db.engine import parse_target, shown_as_given
 
     try:
         target = parse_target(url)

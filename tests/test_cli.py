@@ -25,7 +25,7 @@ from kvsplit.config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
 from kvsplit.autotune import tuner
 from kvsplit.cli import main
 from kvsplit.db import DeviceInfo, open_store
-from kvsplit.db.engine import display_url
+from kvsplit.db.engine import shown_as_given
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
 from kvsplit.dispatch.device import device_facts
@@ -107,7 +107,7 @@ def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):
     text = run_command("info").stdout
     facts = json.dumps(json.loads(run_command("info", "--json").stdout))
     for shown in (text, facts):
-        assert display_url(env.url) in shown or str(env.tmp_path / "tuning.sqlite") in shown
+        assert shown_as_given(env.url) in shown or str(env.tmp_path / "tuning.sqlite") in shown
         assert "cached" in shown
 
 
@@ -423,7 +423,7 @@ def test_demo_tunes_once_then_a_new_process_reuses_the_stored_choice(env):
     first = run_demo(env)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "(tuned)" in first.stdout and "profiled the candidate configs" in first.stdout
-    assert f"stored in {display_url(env.url)}" in first.stdout
+    assert f"stored in {shown_as_given(env.url)}" in first.stdout
     assert first.stdout.rstrip().endswith("OK")
     records = stored(env.url)
     assert len(records) == 1 and records[0].key.head_dim == 512

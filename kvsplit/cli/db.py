@@ -18,7 +18,6 @@ from .kit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, Map
 from ..config import OUT_DTYPES, PARTIAL_DTYPES, SCATTERED, STATS_FORMAT_CODES, KernelConfig
 from ..terminal import printable
 from ..db.claims import Claims
-from ..db.connect import open_store, open_store_for_repair
 from .render import (
     console,
     records_table,
@@ -31,7 +30,7 @@ from .render import (
     to_json,
 )
 from ..db.schemas import ImportRule
-from ..db.store import Store
+from ..db.store import Store, open_store, open_store_for_repair
 from ..export import InvalidExportError, dump_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]

@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
-from ..db.errors import DbWarning, StoreError
-from ..db.targets import parse_target, visible
+from ..db.engine import parse_target, visible
+from ..db.schemas import DbWarning, StoreError
 from ..dispatch import InvalidSetting
 from ..export import InvalidExportError
 from ..files import InputRefused

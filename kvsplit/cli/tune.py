@@ -251,7 +251,7 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     import warnings
 
     from ..db import DbWarning, open_store
-    from ..db.errors import REPAIR_HINT
+    from ..db.schemas import REPAIR_HINT
     from ..dispatch import pending as pending_keys
 
     from ..dispatch.dispatcher import pdl_enabled, read_settings

@@ -400,10 +400,10 @@ def test_a_locked_database_stops_the_writers_with_exit_3(dbs, tmp_path, import_f
         pytest.skip("SQLite's one write lock; PostgreSQL writers wait on rows instead")
     import sqlite3
 
-    from kvsplit.db import connect
+    from kvsplit.db import store
 
     url = dbs.copy("locked")
-    for opener in (connect.open_store, connect.open_store_for_repair):
+    for opener in (store.open_store, store.open_store_for_repair):
         monkeypatch.setitem(opener.__kwdefaults__, "timeout_s", 0.2)  # not 30 s per writer
     holder = sqlite3.connect(sa.make_url(url).database, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # another process's long write

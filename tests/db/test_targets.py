@@ -1,4 +1,4 @@
-"""db/targets.py: one reading of --db / KVSPLIT_DB, the same as the SQLite driver's.
+"""db/engine.py: one reading of --db / KVSPLIT_DB, the same as the SQLite driver's.
 
 A value is a URL only when it has a scheme; a plain path is taken literally.
 What kvsplit takes for a file is the file the driver opens (``PRAGMA
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvsplit.db import StoreError
 from kvsplit.db.engine import create_db_engine
-from kvsplit.db.targets import BadTarget, Target, parse_target, visible
+from kvsplit.db.engine import BadTarget, Target, parse_target, visible
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,9 +1,7 @@
-"""The tables of the tuning database (schema revision 0003), as SQLAlchemy models.
+"""The tables of the tuning database (schema revision 0003); they never leave ``db/``.
 
-They never leave ``db/``: :mod:`.rows` turns their rows into the models of
-:mod:`.schemas`.  Constraint names are spelled out because Alembic's batch mode on
-SQLite finds constraints by name, and the migrations must make exactly these
-tables (a test compares them).
+Constraint names are spelled out: Alembic's batch mode on SQLite finds constraints by
+name, and the migrations must make exactly these tables (a test compares them).
 """
 
 from __future__ import annotations

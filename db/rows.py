@@ -1,15 +1,12 @@
 """The one place where rows become models, and records become rows.
 
-Rows are read as stored, with no driver or SQLAlchemy conversion (a value that
-does not convert must not fail the whole query; timestamps come as text, which
-psycopg cannot fail on).  :func:`stored_value` gives each value its column's
-Python type, then the row is validated once, strictly, as the model that leaves
-the store.  A row that fails is a :class:`Damage` naming the table, the id and the
-problem, never an exception: the store skips it, warns or refuses, by its policy.
-
-A result is usable when its own row, its device row and its build row parse; a
-full record also needs its candidate rows to agree (the winner among them, and
-matched).  A candidate row that does not parse is left out of its record.
+Rows are read as stored (a value the driver cannot convert must not fail the whole
+query; timestamps come as text, which psycopg cannot fail on).  :func:`stored_value`
+gives each value its column's Python type, then the row is validated once, strictly,
+as the model that leaves the store.  A row that fails is a :class:`Damage` (table,
+id, problem), never an exception.  A result needs its own row, its device row and its
+build row; a full record also needs its candidate rows to agree.  A candidate row
+that does not parse is left out of its record.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from sqlalchemy import (Boolean, ColumnElement, Select, Table, Text, bindparam, cast, delete, false, func, insert,
-                        inspect, or_, select, type_coerce, update)
+                        inspect, select, type_coerce, update)
 from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
@@ -48,13 +45,10 @@ _TIME = TypeAdapter(datetime)
 
 
 def stored_value(column: Any, value: Any) -> Any:
-    """A stored value as its column's Python type, or ``ValueError`` saying why it is not one.
-
-    Only what the driver would do: JSON text parsed, timestamp text read (only the
-    form the backends write: pydantic alone would take '12345' as a Unix time),
-    SQLite's booleans (0, 1) made ``bool``, text checked for invalid UTF-8 (read
-    back as surrogates: see engine.py).  Types and ranges are the models' to check.
-    """
+    """A stored value as its column's Python type, or ``ValueError`` saying why it is not one: JSON
+    text parsed, timestamp text read (only the backends' form: pydantic would take '12345' as a Unix
+    time), SQLite's 0 and 1 made ``bool``, invalid UTF-8 (read back as surrogates) refused.  Types
+    and ranges are the models' to check."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -216,8 +210,7 @@ _JOINED = RESULTS.outerjoin(DEVICES, RESULTS.c.device_id == DEVICES.c.id).outerj
 
 
 class Read(NamedTuple):
-    """What one read found: records by result id, the damage met, the rows as stored by table and
-    id, and the builds that parse by id."""
+    """Records by result id, the damage met, the rows as stored (by table and id), the builds that parse."""
 
     records: dict[Any, TuningRecord]
     damage: list[Damage]
@@ -231,12 +224,9 @@ def _by_id(session: Session, statement: Select) -> dict[Any, dict[str, Any]]:
 
 def read(session: Session, where: Sequence[ColumnElement[bool]] | None = None, *, order_by: Sequence[Any] = (),
          candidates: bool = True) -> Read:
-    """The records whose result rows match ``where`` (conditions on the tables), and the damage met.
-
-    Without ``candidates`` the records carry none.  With ``where`` None every row
-    of every table is read and checked, orphans, claims and the counter included
-    (a missing table reads as empty: ``repair --dry-run`` reads before it is recreated).
-    """
+    """The records whose result rows match ``where`` (with or without their candidates), and the
+    damage met; with ``where`` None every row of every table, orphans, claims and the counter
+    included (a missing table reads as empty: ``repair --dry-run`` reads before recreating it)."""
     reader = Reader(session.info.get("context"))
     if where is None:
         present = set(inspect(session.connection()).get_table_names())
@@ -338,11 +328,8 @@ def _id(session: Session, find: Select, table: Table, params: dict[str, Any], **
 
 def write_record(session: Session, record: TuningRecord, stored: StoredTimes | None, now: datetime, *,
                  keep_times: bool = False) -> None:
-    """Insert ``record``, or overwrite the stored result of its key and its candidates.
-
-    ``updated_at`` is ``now`` and ``created_at`` is kept; with ``keep_times``
-    (imports) the record's own times are stored where it has them.
-    """
+    """Insert ``record``, or overwrite the stored result of its key and its candidates: ``updated_at``
+    is ``now``, ``created_at`` kept; with ``keep_times`` (imports) the record's own times where it has them."""
     updated = (record.updated_at if keep_times else None) or now
     if stored is None:
         created = record.created_at or now
@@ -378,55 +365,6 @@ def stale_build_ids(session: Session, current_build: str | Collection[str] | Non
     newest = session.execute(select(RESULTS.c.build_id).order_by(RESULTS.c.updated_at.desc(), RESULTS.c.id.desc())
                              .limit(1)).scalar_one_or_none()
     return [] if newest is None else list(session.scalars(select(BUILDS.c.id).where(BUILDS.c.id != newest)))
-
-
-def prune_results(session: Session, *, stale_builds: bool, current_build: str | Collection[str] | None,
-                  other_devices_than: DeviceInfo | str | None, cutoff: datetime | None,
-                  dry_run: bool) -> tuple[list[TuningKey], list[Damage]]:
-    """Delete (unless ``dry_run``) the results matching any criterion, and the devices and builds left
-    without results; their keys and the damage met.  Rows that do not parse are left alone; a string
-    ``other_devices_than`` that matches no device is a ``ValueError`` (a typo must not delete all)."""
-    criteria = []
-    if stale_builds:
-        stale = stale_build_ids(session, current_build)
-        if stale:
-            criteria.append(RESULTS.c.build_id.in_(stale))
-    if other_devices_than is not None:
-        keep = select(DEVICES.c.id).where(*device_is(other_devices_than))
-        if isinstance(other_devices_than, str) and session.scalar(keep.limit(1)) is None:
-            raise ValueError(f"no device in the database matches {other_devices_than!r}")
-        criteria.append(RESULTS.c.device_id.not_in(keep))
-    if cutoff is not None:
-        criteria.append(RESULTS.c.updated_at < cutoff)
-    if not criteria:
-        return [], []
-    found = read(session, [or_(*criteria)], candidates=False)
-    if not dry_run and found.records:
-        ids = list(found.records)
-        session.execute(delete(CANDIDATES).where(CANDIDATES.c.result_id.in_(ids)))
-        session.execute(delete(RESULTS).where(RESULTS.c.id.in_(ids)))
-        session.execute(delete(DEVICES).where(DEVICES.c.id.not_in(select(RESULTS.c.device_id))))
-        session.execute(delete(BUILDS).where(BUILDS.c.id.not_in(select(RESULTS.c.build_id))))
-    return [record.key for record in found.records.values()], found.damage
-
-
-def merge_records(session: Session, records: list[TuningRecord], *, rule: str, dry_run: bool,
-                  now: datetime) -> dict[str, int]:
-    """Apply an import's merge ``rule`` to every record; counts of inserted, replaced and kept."""
-    counts = {"inserted": 0, "replaced": 0, "kept": 0}
-    for record in records:
-        stored = find_for_write(session, record.key)
-        if stored is None:
-            counts["inserted"] += 1
-        elif rule == "replace" or (rule == "newer" and record.updated_at is not None
-                                   and (stored.updated_at is None or record.updated_at > stored.updated_at)):
-            counts["replaced"] += 1
-        else:
-            counts["kept"] += 1
-            continue
-        if not dry_run:
-            write_record(session, record, stored, now, keep_times=True)
-    return counts
 
 
 # -- the generation counter ------------------------------------------------------------------

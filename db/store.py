@@ -1,12 +1,10 @@
-"""The tuning store: opening a database three ways, and its operations, each one short transaction.
+"""The tuning store: a database opened three ways, and its operations, each one short transaction.
 
-Rows become models in :mod:`.rows` only, before the session closes.  A row that
-does not parse is never an exception in a read: the store raises
+A row that does not parse is never an exception in a read: the store raises
 :class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it with one
-:class:`DbWarning` naming each row once (``"warn"``, library callers).  A store of a
-library caller (``fallback``) never raises for a database problem: it warns once
-and goes on in memory; it also checks its SQLite file before each transaction
-(deleted, emptied or made immutable: memory; replaced: the new file).
+:class:`DbWarning` naming each row once (``"warn"``, library callers).  A library
+caller's store (``fallback``) never raises for a database problem: it warns once and
+goes on in memory, and checks its SQLite file before each transaction.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import platformdirs
-from sqlalchemy import Engine, delete
+from sqlalchemy import Engine, delete, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -33,8 +31,8 @@ from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_
                      is_memory_url, parse_target, stat_file)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
-from .rows import (Damage, bump_generation, device_is, find_for_write, key_conditions, merge_records, prune_results,
-                   read, read_generation, stale_build_ids, write_record)
+from .rows import (Damage, bump_generation, device_is, find_for_write, key_conditions, read, read_generation,
+                   stale_build_ids, write_record)
 from .schemas import (REPAIR_HINT, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, DeviceStats,
                       ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult, StoreError,
                       StoreStats, TuningKey, TuningRecord, listed, tool_version)
@@ -69,16 +67,12 @@ def memory_engine() -> Engine:
 
 
 class Store:
-    """Tuning results in a database reached through one SQLAlchemy engine, at the head revision.
+    """Tuning results in a database at the head revision, through one engine (open it with
+    :func:`open_store` and its siblings).
 
-    Open it with :func:`open_store`, :func:`open_store_for_library` or
-    :func:`open_store_for_repair`.  ``target`` is the database the engine was made
-    for (its file is watched with ``fallback`` and reopened when replaced);
-    ``timeout_s`` the busy timeout, for messages; ``on_damage`` defaults to
-    ``"warn"`` with ``fallback``, else ``"raise"``.  ``config_type`` is what stored
-    configs become: plain :class:`Config`, or a subclass that checks the kernel
-    layer's vocabulary (``kvsplit.config.KernelConfig``), so that a config it
-    refuses is a row that does not parse.
+    ``config_type`` is what stored configs become: plain :class:`Config`, or a
+    subclass that checks the kernel layer's vocabulary (``kvsplit.config.KernelConfig``),
+    so that a config it refuses is a row that does not parse.
     """
 
     def __init__(self, engine: Engine, *, target: Target | None = None, fallback: bool = False,
@@ -125,12 +119,9 @@ class Store:
         self._engine.dispose(close=False)
 
     def transaction(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
-        """Run ``work(session)`` in one transaction, as every operation of the store does.
-
-        Database errors become :class:`StoreError` (with ``fallback``, a warning
-        and memory); a write that meets a unique-key race is retried.  ``bump``
-        advances the generation counter in the same transaction (a write of results).
-        """
+        """``work(session)`` in one transaction; database errors become :class:`StoreError` (with
+        ``fallback``: a warning and memory), a unique-key race of a write is retried, ``bump``
+        advances the generation counter (a write of results)."""
         attempt = 0
         while True:
             if self._watch is not None:
@@ -399,14 +390,30 @@ class Store:
         """
         if not (stale_builds or other_devices_than is not None or older_than is not None):
             return PruneResult(keys=[], dry_run=dry_run)
-        cutoff = _now() - older_than if older_than is not None else None
 
         def work(session: Session) -> tuple[PruneResult, list[Damage]]:
-            keys, damage = prune_results(session, stale_builds=stale_builds, current_build=current_build,
-                                         other_devices_than=other_devices_than, cutoff=cutoff, dry_run=dry_run)
-            if damage and self._on_damage == "raise":
-                raise DamagedRows(self.url, damage)  # before the transaction commits: nothing deleted
-            return PruneResult(keys=keys, dry_run=dry_run), damage
+            criteria = []
+            if stale_builds and (stale := stale_build_ids(session, current_build)):
+                criteria.append(RESULTS.c.build_id.in_(stale))
+            if other_devices_than is not None:
+                keep = select(DEVICES.c.id).where(*device_is(other_devices_than))
+                if isinstance(other_devices_than, str) and session.scalar(keep.limit(1)) is None:
+                    raise ValueError(f"no device in the database matches {other_devices_than!r}")
+                criteria.append(RESULTS.c.device_id.not_in(keep))
+            if older_than is not None:
+                criteria.append(RESULTS.c.updated_at < _now() - older_than)
+            if not criteria:
+                return PruneResult(keys=[], dry_run=dry_run), []
+            found = read(session, [or_(*criteria)], candidates=False)
+            if found.damage and self._on_damage == "raise":
+                raise DamagedRows(self.url, found.damage)  # before the transaction commits: nothing deleted
+            if found.records and not dry_run:  # rows that do not parse are left alone
+                ids = list(found.records)
+                session.execute(delete(CANDIDATES).where(CANDIDATES.c.result_id.in_(ids)))
+                session.execute(delete(RESULTS).where(RESULTS.c.id.in_(ids)))
+                session.execute(delete(DEVICES).where(DEVICES.c.id.not_in(select(RESULTS.c.device_id))))
+                session.execute(delete(BUILDS).where(BUILDS.c.id.not_in(select(RESULTS.c.build_id))))
+            return PruneResult(keys=[r.key for r in found.records.values()], dry_run=dry_run), found.damage
 
         return self._read(work, write=not dry_run, bump=not dry_run)
 
@@ -431,7 +438,19 @@ class Store:
             raise ValueError("two records of one tuning key")
 
         def work(session: Session) -> ImportSummary:
-            counts = merge_records(session, records, rule=rule, dry_run=dry_run, now=_now())
+            counts, now = {"inserted": 0, "replaced": 0, "kept": 0}, _now()
+            for record in records:
+                stored = find_for_write(session, record.key)
+                if stored is None:
+                    counts["inserted"] += 1
+                elif rule == "replace" or (rule == "newer" and record.updated_at is not None and (
+                        stored.updated_at is None or record.updated_at > stored.updated_at)):
+                    counts["replaced"] += 1
+                else:
+                    counts["kept"] += 1
+                    continue
+                if not dry_run:
+                    write_record(session, record, stored, now, keep_times=True)
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
@@ -457,7 +476,7 @@ def _json_safe(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int)) else str(value)
 
 
-# -- opening ---------------------------------------------------------------------------------
+# -- opening --------------------------------------------------------------------------------
 
 
 def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:
@@ -500,28 +519,15 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, 
                on_damage: OnDamage = "raise", config_type: type[Config] = Config) -> Store:
     """Open the tuning database, creating or upgrading its schema (an upgrade warns once).
 
-    Parameters
-    ----------
-    url : str, optional
-        SQLAlchemy URL (it has a scheme) or SQLite file path (taken literally; see
-        :mod:`kvsplit.db.engine`); default ``$KVSPLIT_DB``, else ``tuning.sqlite``
-        in the user cache directory.
-    timeout_s : float
-        How long to wait for another process's lock, in seconds.
-    create : bool
-        If false, a missing SQLite file, memory or a database without kvsplit
-        tables is :class:`NoDatabase` (commands that only read).
-    on_damage : {"raise", "warn"}
-        A read that meets rows that do not parse raises :class:`DamagedRows`, or
-        skips them with one :class:`DbWarning`.
-    config_type : type of Config
-        What stored configs become (see :class:`Store`).
-
-    Raises
-    ------
-    StoreError
-        Bad URL or path, missing driver, unreachable server, corrupt, unreadable,
-        read-only or locked database, damaged version table; :class:`SchemaTooNew`.
+    ``url``: an SQLAlchemy URL (it has a scheme) or an SQLite file path, taken
+    literally (:mod:`kvsplit.db.engine`); default ``$KVSPLIT_DB``, else
+    ``tuning.sqlite`` in the user cache directory.  ``timeout_s``: how long to wait
+    for another process's lock, in seconds.  ``create`` false: a missing file,
+    memory or a database without kvsplit tables is :class:`NoDatabase` (commands
+    that only read).  ``on_damage``: a read that meets rows that do not parse
+    raises :class:`DamagedRows`, or skips them with one :class:`DbWarning`.
+    Any database problem is a :class:`StoreError` (:class:`SchemaTooNew` for a
+    newer schema).
     """
     engine, target = _ready_engine(url, timeout_s, create=create)
     return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)
@@ -529,12 +535,9 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, 
 
 def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                            config_type: type[Config] = Config) -> Store:
-    """Open the tuning database for a library caller: never raises for a database problem.
-
-    A database that cannot be used gives one :class:`DbWarning` naming the problem
-    and an in-memory store; so does a problem met later; rows that do not parse are
-    skipped with one warning; an SQLite file is watched (see :class:`Store`).
-    """
+    """:func:`open_store` for a library caller, which never raises for a database problem: one
+    :class:`DbWarning` and memory instead, now or later; rows that do not parse are skipped with
+    one warning; an SQLite file is watched (see :class:`Store`)."""
     try:
         # No SQLite connection kept between transactions: an idle serving process then maps
         # nothing of the file's -shm index, which would be SIGBUS once the file is made immutable.
@@ -547,13 +550,9 @@ def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT
 
 def open_store_for_repair(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, dry_run: bool = False,
                           config_type: type[Config] = Config) -> tuple[Store, list[str]]:
-    """Open a database that may be damaged, for :meth:`Store.repair`; never creates one.
-
-    A damaged version table or missing tables are restored first (with ``dry_run``
-    only listed: :func:`kvsplit.db.migrate.restore_schema`).  Returns the store and
-    one line per schema repair.  Raises as :func:`open_store` (a newer schema is
-    :class:`SchemaTooNew`, left alone).
-    """
+    """Open a database that may be damaged, for :meth:`Store.repair`, and one line per repair of its
+    schema (:func:`kvsplit.db.migrate.restore_schema`; with ``dry_run`` only listed).  Never creates
+    a database; raises as :func:`open_store`."""
     engine, target = _engine(url, timeout_s, create=False)
     done = _guarded(engine, timeout_s, lambda: restore_schema(engine, dry_run=dry_run))
     if not (dry_run and done):

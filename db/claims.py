@@ -209,10 +209,8 @@ class Claims:
 
     def claim_next(self, keys: Sequence[TuningKey], owner: str, lease_s: float, *,
                    run_started: datetime, force: bool = False) -> Step:
-        """Claim the first claimable key of ``keys`` for ``owner``, for ``lease_s`` seconds.
-
-        ``run_started`` and ``force`` as in :func:`standing`.
-        """
+        """Claim the first claimable key of ``keys`` for ``owner``, for ``lease_s`` seconds
+        (``run_started`` and ``force`` as in :func:`standing`)."""
         texts = {key_text(k): k for k in keys}
 
         def work(session: Session) -> Step:
@@ -271,12 +269,8 @@ class Claims:
         return self._store.transaction(work, write=True)
 
     def finish(self, claim: Claim, record: TuningRecord | None = None, error: str | None = None) -> None:
-        """End ``claim``: store ``record`` and mark the key done, in one transaction; or mark it failed.
-
-        A stored result marks the key done even if the lease was lost meanwhile
-        (the result is there); a failure is recorded only while the claim is
-        still ours.
-        """
+        """End ``claim``: store ``record`` and mark the key done in one transaction (even if the lease
+        was lost meanwhile: the result is there), or mark it failed (only while the claim is ours)."""
 
         def work(session: Session) -> None:
             now = database_now(session)

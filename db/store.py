@@ -282,12 +282,9 @@ class Store:
         return self._records(conditions, order_by=order)
 
     def stats(self, current_build: str | Collection[str] | None = None) -> StoreStats:
-        """Keys per device, mean speed-up of the winner over kv_split=1, times, stale builds.
-
-        A build is stale if its hash is not ``current_build`` (one hash or several,
-        e.g. the installed CUDA and CPU builds); when that is ``None``, every build
-        but the one with the most recently updated result.
-        """
+        """Keys per device, mean speed-up of the winner over kv_split=1, times, and stale builds: those
+        not ``current_build`` (one hash or several), or when that is ``None``, every build but the
+        one with the most recently updated result."""
 
         def work(session: Session) -> tuple[StoreStats, list[Damage]]:
             found = read(session)
@@ -333,13 +330,9 @@ class Store:
             raise DamagedRows(self.url, damage)
 
     def repair(self, quarantine: Path | None = None, *, dry_run: bool = False) -> RepairResult:
-        """Move every row that does not parse, and the rows that depend on it, to a quarantine file.
-
-        One transaction: the rows are appended to ``quarantine`` as JSON lines with
-        every stored value (default: beside an SQLite file, else ``quarantine.jsonl``
-        in the user cache directory), then deleted; an ``OSError`` writing the file
-        deletes nothing.  Every other row stays as it was.
-        """
+        """Move every row that does not parse, and the rows that depend on it, to ``quarantine`` (JSON
+        lines with every stored value; default beside an SQLite file, else ``quarantine.jsonl`` in the
+        user cache directory), in one transaction: an ``OSError`` writing the file deletes nothing."""
         if quarantine is None and self._target is not None and self._target.path is not None:
             quarantine = self._target.path.with_name(self._target.path.name + ".quarantine.jsonl")
         target = Path(quarantine or Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl")
@@ -381,13 +374,10 @@ class Store:
     def prune(self, *, stale_builds: bool = False, current_build: str | Collection[str] | None = None,
               other_devices_than: DeviceInfo | str | None = None, older_than: timedelta | None = None,
               dry_run: bool = False) -> PruneResult:
-        """Delete the results matching any criterion given; devices and builds left empty go too.
-
-        ``stale_builds``: results of stale builds (see :meth:`stats`; ``current_build``
-        may be several hashes, all kept); ``other_devices_than``: of every device but
-        this one (a string matches part of the name and must match a device, else
-        ``ValueError``); ``older_than``: last updated longer ago; ``dry_run``: only report.
-        """
+        """Delete the results of stale builds (see :meth:`stats`), of every device but
+        ``other_devices_than`` (a string matches part of a name and must match one, else
+        ``ValueError``) or last updated longer ago than ``older_than``; devices and builds left
+        empty go too.  ``dry_run`` only reports."""
         if not (stale_builds or other_devices_than is not None or older_than is not None):
             return PruneResult(keys=[], dry_run=dry_run)
 
@@ -423,14 +413,10 @@ class Store:
 
     def import_records(self, source: ExportFile | Iterable[TuningRecord], *, rule: ImportRule = "newer",
                        dry_run: bool = False) -> ImportSummary:
-        """Merge records into the store, all or nothing, in one transaction.
-
-        Records are validated again (against ``config_type`` too) and two of one key
-        are refused: ``ValueError``, nothing written.  For a key already stored,
-        ``"newer"`` replaces it only if the incoming ``updated_at`` is strictly later,
-        ``"replace"`` always, ``"keep"`` never; new keys are inserted; timestamps are
-        kept as imported.  ``dry_run`` counts what would happen.
-        """
+        """Merge records into the store, all or nothing, keeping their times: a stored key is replaced
+        if ``rule`` is ``"replace"``, or ``"newer"`` and the incoming ``updated_at`` is strictly later.
+        A record that fails validation (``config_type`` too) or two of one key: ``ValueError``, nothing
+        written.  ``dry_run`` counts what would happen."""
         # A record changed with model_copy(update=...) was never validated: all are, again.
         records = [TuningRecord.model_validate(r.model_dump(), context=self._context)
                    for r in (source.records if isinstance(source, ExportFile) else source)]
@@ -519,15 +505,12 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, 
                on_damage: OnDamage = "raise", config_type: type[Config] = Config) -> Store:
     """Open the tuning database, creating or upgrading its schema (an upgrade warns once).
 
-    ``url``: an SQLAlchemy URL (it has a scheme) or an SQLite file path, taken
-    literally (:mod:`kvsplit.db.engine`); default ``$KVSPLIT_DB``, else
-    ``tuning.sqlite`` in the user cache directory.  ``timeout_s``: how long to wait
-    for another process's lock, in seconds.  ``create`` false: a missing file,
-    memory or a database without kvsplit tables is :class:`NoDatabase` (commands
-    that only read).  ``on_damage``: a read that meets rows that do not parse
-    raises :class:`DamagedRows`, or skips them with one :class:`DbWarning`.
-    Any database problem is a :class:`StoreError` (:class:`SchemaTooNew` for a
-    newer schema).
+    ``url``: an SQLAlchemy URL or an SQLite file path (:mod:`kvsplit.db.engine`), else
+    ``$KVSPLIT_DB``, else ``tuning.sqlite`` in the user cache directory.  ``timeout_s``:
+    how long to wait for another process's lock, in seconds.  ``create`` false: a
+    missing file, memory or a database without kvsplit tables is :class:`NoDatabase`.
+    ``on_damage``: rows that do not parse raise :class:`DamagedRows` or are skipped with
+    one :class:`DbWarning`.  Any database problem is a :class:`StoreError`.
     """
     engine, target = _ready_engine(url, timeout_s, create=create)
     return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)

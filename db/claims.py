@@ -33,12 +33,6 @@ Standing = Literal["done", "claimed", "failed", "expired", "left"]
 CLAIMABLE: tuple[Standing, ...] = ("left", "expired")
 
 
-def is_live(claim: ClaimInfo | None, now: datetime) -> bool:
-    """Whether ``claim`` is held by a worker whose lease has not run out."""
-    return (claim is not None and claim.state == "claimed" and claim.expires_at is not None
-            and claim.expires_at > now)
-
-
 def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
              run_started: datetime | None = None, force: bool = False) -> Standing:
     """Where one key stands, given its claim (``None``: none, or one that does not parse, which is
@@ -49,10 +43,8 @@ def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
     other's failures in a loop).  With ``force`` stored keys are re-tuned once per
     run: a key is done only if it was finished after ``run_started``.
     """
-    if is_live(claim, now):
-        return "claimed"
     if claim is not None and claim.state == "claimed":
-        return "expired"
+        return "claimed" if claim.expires_at is not None and claim.expires_at > now else "expired"
     finished_in_run = (claim is not None and claim.state in ("done", "failed")
                        and (run_started is None or (claim.heartbeat_at is not None
                                                     and claim.heartbeat_at >= run_started)))
@@ -183,11 +175,6 @@ def _stored(session: Session, keys: Iterable[TuningKey]) -> set[TuningKey]:
     return found
 
 
-def _attempts(raw: dict[str, Any]) -> int:
-    value = raw.get("attempts")
-    return value if type(value) is int and value >= 0 else 0
-
-
 class Claims:
     """The claims of one database, through a :class:`~kvsplit.db.Store` (its errors, its retries)."""
 
@@ -244,7 +231,8 @@ class Claims:
                 if standing(before, now_stored, now, run_started=run_started, force=force) not in CLAIMABLE:
                     skipped_locked += 1  # changed since we looked: somebody else's now
                     continue
-                attempt = _attempts(dict(locked)) + 1
+                stored_attempts = locked["attempts"]  # a damaged count starts again
+                attempt = (stored_attempts if type(stored_attempts) is int and stored_attempts >= 0 else 0) + 1
                 session.execute(update(CLAIMS).where(CLAIMS.c.id == row_id).values(
                     state="claimed", owner=owner, attempts=attempt, claimed_at=now, heartbeat_at=now,
                     expires_at=now + timedelta(seconds=lease_s), error=None))
@@ -294,17 +282,11 @@ class Claims:
         def work(session: Session) -> Progress:
             now = database_now(session)
             if keys is None:
-                raws = [dict(m) for m in session.execute(select(*_RAW).order_by(CLAIMS.c.id)).mappings()]
-                claims = {c.key: c for c in map(_decoded, raws) if c is not None}
-                wanted = list(claims)
+                rows = [dict(m) for m in session.execute(select(*_RAW).order_by(CLAIMS.c.id)).mappings()]
             else:
-                rows = _claim_rows(session, [key_text(k) for k in keys])
-                claims = {}
-                for k in keys:
-                    decoded = _decoded(rows.get(key_text(k)))
-                    if decoded is not None:
-                        claims[k] = decoded
-                wanted = list(keys)
+                rows = list(_claim_rows(session, [key_text(k) for k in keys]).values())
+            claims = {c.key: c for c in map(_decoded, rows) if c is not None}
+            wanted = list(claims) if keys is None else list(keys)
             return summarize(self.url, now, wanted, claims, _stored(session, wanted))
 
         return self._store.transaction(work, write=False)

@@ -39,6 +39,7 @@ WRITE_OPTION = "kvsplit_write"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _EXAMPLES = ("give an SQLite file path, or a URL such as sqlite:////abs/path/tuning.sqlite or "
              "postgresql+psycopg://user@host/db")
+_URL_EXAMPLES = "give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db"
 
 
 def _isolation_level(value: str) -> str:
@@ -243,16 +244,14 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
                     connect_args["options"] = "-c DateStyle=ISO"
             engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except NoSuchModuleError as exc:
-        raise BadTarget(f"bad database URL {shown!r}: {exc}; give an SQLAlchemy URL such as "
-                        f"sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db") from exc
+        raise BadTarget(f"bad database URL {shown!r}: {exc}; {_URL_EXAMPLES}") from exc
     except ImportError as exc:  # the dialect is known but its driver is missing: not the URL's fault
         driver = f"{url.get_backend_name()}+{url.get_driver_name()}"
         package = _DRIVER_PACKAGES.get(exc.name or "", exc.name)
         hint = f"pip install {package}" if package else "install the driver"
         raise StoreError(f"{shown}: the database driver for {driver} is not installed ({exc}); {hint}") from exc
     except (ArgumentError, ValueError) as exc:
-        raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; give an SQLAlchemy URL such as "
-                        f"sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db") from exc
+        raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; {_URL_EXAMPLES}") from exc
     except OSError as exc:
         raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
     _NAMES[engine] = shown

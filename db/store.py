@@ -298,9 +298,9 @@ class Store:
             devices = []
             for device, recs in sorted(per_device.items(), key=lambda item: item[0].label):
                 speedups = [s for s in (r.speedup for r in recs) if s is not None]
-                devices.append(DeviceStats(
-                    device=device, keys=len(recs), mean_speedup=sum(speedups) / len(speedups) if speedups else None,
-                    max_speedup=max(speedups, default=None), oldest=_span(recs)[0], newest=_span(recs)[1]))
+                devices.append(DeviceStats(device=device, keys=len(recs), max_speedup=max(speedups, default=None),
+                                           mean_speedup=sum(speedups) / len(speedups) if speedups else None,
+                                           oldest=_span(recs)[0], newest=_span(recs)[1]))
             versions = sorted({b.build_hash: b.library_version for b in found.builds.values()}.items())
             named = (current_build if current_build is None or isinstance(current_build, str)
                      else ",".join(sorted(current_build)))

@@ -19,8 +19,8 @@ from .schemas import (BASELINE, BuildStats, CandidateResult, ChoiceKey, ClaimInf
                       TuningPolicy, TuningRecord, WorkerProgress)
 
 _STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage": "rows", "head_revision": "migrate",
-               "Store": "store", "open_store": "store", "open_store_for_library": "store",
-               "open_store_for_repair": "store"}
+               "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine", "Store": "store", "open_store": "store",
+               "open_store_for_library": "store", "open_store_for_repair": "store"}
 
 
 def __getattr__(name: str):
@@ -32,8 +32,9 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["BASELINE", "BuildStats", "CandidateResult", "ChoiceKey", "Claim", "ClaimInfo", "Claims", "Config",
-           "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats", "ExportFile", "ImportSummary",
-           "KernelBuildInfo", "NoDatabase", "Progress", "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew",
-           "Step", "Store", "StoreError", "StoreStats", "TuningKey", "TuningPolicy", "TuningRecord", "WorkerProgress",
-           "head_revision", "open_store", "open_store_for_library", "open_store_for_repair"]
+__all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "BuildStats", "CandidateResult", "ChoiceKey", "Claim",
+           "ClaimInfo", "Claims", "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats",
+           "ExportFile", "ImportSummary", "KernelBuildInfo", "NoDatabase", "Progress", "PruneResult", "RepairResult",
+           "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError", "StoreStats", "TuningKey", "TuningPolicy",
+           "TuningRecord", "WorkerProgress", "head_revision", "open_store", "open_store_for_library",
+           "open_store_for_repair"]

@@ -1,14 +1,8 @@
 """Where the database is and how to reach it: the one reading of ``--db`` / ``KVSPLIT_DB``,
 the engine made from it, failures named for people, and the watch on a serving process's file.
 
-A value is a URL only when it starts with a scheme (``sqlite://``,
-``postgresql+psycopg://``); anything else is the path of an SQLite file, taken
-literally (no query, no percent-decoding; ``~`` and ``~user`` expanded) and made
-absolute as the SQLite driver does, so that kvsplit and the driver mean the same
-file.  ``:memory:``, ``sqlite://``, ``sqlite:///``, ``sqlite:///:memory:`` and any
-SQLite URL with ``?mode=memory`` are memory, handed to the driver as a plain
-in-memory URL.  An SQLite URL's query may hold ``mode=memory`` and the driver's own
-arguments only (no URI filenames).  Every problem is a :class:`BadTarget`: one line.
+A value is a URL only when it starts with a scheme; anything else is the path of an SQLite file,
+taken literally and made absolute as the SQLite driver does.  Every problem is a :class:`BadTarget`.
 """
 
 from __future__ import annotations
@@ -51,11 +45,9 @@ def _isolation_level(value: str) -> str:
 # The arguments pysqlite takes from a URL's query, each with the dialect's conversion.
 _SQLITE_DRIVER_ARGS = {"timeout": float, "detect_types": int, "cached_statements": int,
                        "check_same_thread": asbool, "isolation_level": _isolation_level}
-# Import name of a database driver -> the package that installs it (pip's name).
+# Import name of a database driver -> the package that installs it, where the names differ.
 _DRIVER_PACKAGES = {"psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
-                    "pymysql": "PyMySQL", "mysql": "mysql-connector-python", "asyncpg": "asyncpg",
-                    "pg8000": "pg8000", "oracledb": "oracledb", "pyodbc": "pyodbc", "pymssql": "pymssql",
-                    "aiosqlite": "aiosqlite", "aiomysql": "aiomysql"}
+                    "pymysql": "PyMySQL", "mysql": "mysql-connector-python"}
 
 
 class BadTarget(StoreError):

@@ -15,8 +15,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import core_schema
 
 # -- errors ----------------------------------------------------------------------------------
@@ -102,6 +101,10 @@ def _utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None
     return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+#: A timestamp, aware UTC.
+Time = Annotated[datetime | None, AfterValidator(_utc)]
 
 
 class Config:
@@ -271,10 +274,8 @@ class TuningRecord(_Model):
     policy: TuningPolicy
     candidates: list[CandidateResult] = Field(default_factory=list)
     tool_version: Text = Field(min_length=1, max_length=64)
-    created_at: datetime | None = None
-    updated_at: datetime | None = None
-
-    _to_utc = field_validator("created_at", "updated_at")(_utc)
+    created_at: Time = None
+    updated_at: Time = None
 
     @model_validator(mode="after")
     def _consistent(self) -> TuningRecord:
@@ -318,11 +319,9 @@ class ExportFile(_Model):
 
     format: Literal["kvsplit-tuning"] = "kvsplit-tuning"
     version: Literal[1] = 1
-    exported_at: datetime | None = None
+    exported_at: Time = None
     tool_version: str | None = None
     records: list[TuningRecord]
-
-    _to_utc = field_validator("exported_at")(_utc)
 
 
 class ImportSummary(_Model):
@@ -410,12 +409,10 @@ class ClaimInfo(_Model):
     state: ClaimState
     owner: Text | None = Field(default=None, min_length=1, max_length=255)
     attempts: Count
-    claimed_at: datetime | None = None
-    heartbeat_at: datetime | None = None
-    expires_at: datetime | None = None
+    claimed_at: Time = None
+    heartbeat_at: Time = None
+    expires_at: Time = None
     error: Text | None = Field(default=None, min_length=1)
-
-    _to_utc = field_validator("claimed_at", "heartbeat_at", "expires_at")(_utc)
 
     @model_validator(mode="after")
     def _consistent(self) -> ClaimInfo:

@@ -1,10 +1,7 @@
 """The tuning store: a database opened three ways, and its operations, each one short transaction.
 
-A row that does not parse is never an exception in a read: the store raises
-:class:`DamagedRows` (``on_damage="raise"``, the command line) or skips it with one
-:class:`DbWarning` naming each row once (``"warn"``, library callers).  A library
-caller's store (``fallback``) never raises for a database problem: it warns once and
-goes on in memory, and checks its SQLite file before each transaction.
+Rows that do not parse raise :class:`DamagedRows` (the command line) or are skipped with one
+:class:`DbWarning` (library callers, whose store never raises: it warns once and goes on in memory).
 """
 
 from __future__ import annotations

@@ -189,8 +189,6 @@ def stat_file(target: Target) -> os.stat_result | None:
                         f"--db / KVSPLIT_DB") from None
 
 
-# -- the engine ------------------------------------------------------------------------------
-
 # The name each engine's database goes by in messages: its target as the user wrote it.
 _NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
@@ -315,7 +313,6 @@ def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TI
     return f"{shown}: {text}"
 
 
-# -- the file of a serving process -----------------------------------------------------------
 # Deleted, it would be written as an unlinked inode, lost at exit; replaced (a shared file copied
 # over it), emptied, or made immutable (a write to SQLite's mapped -shm index of an immutable file
 # is SIGBUS).  The watch only stats the files: closing any descriptor of a file would drop every

@@ -1,12 +1,8 @@
 """The one place where rows become models, and records become rows.
 
-Rows are read as stored (a value the driver cannot convert must not fail the whole
-query; timestamps come as text, which psycopg cannot fail on).  :func:`stored_value`
-gives each value its column's Python type, then the row is validated once, strictly,
-as the model that leaves the store.  A row that fails is a :class:`Damage` (table,
-id, problem), never an exception.  A result needs its own row, its device row and its
-build row; a full record also needs its candidate rows to agree.  A candidate row
-that does not parse is left out of its record.
+Rows are read as stored (timestamps as text: a value the driver cannot convert must not fail the
+query), each value given its column's type by :func:`stored_value`, then validated once, strictly,
+as the model that leaves the store.  A row that fails is a :class:`Damage`, never an exception.
 """
 
 from __future__ import annotations
@@ -29,8 +25,6 @@ from sqlalchemy.types import NullType
 from .models import (BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, KEY_COLUMNS, RESULTS, TABLES, CanonicalJSON,
                      UTCDateTime)
 from .schemas import CandidateResult, ClaimInfo, DeviceInfo, KernelBuildInfo, TuningKey, TuningRecord
-
-# -- stored values ---------------------------------------------------------------------------
 
 
 def raw_columns(table: Table, prefix: str = "") -> list[ColumnElement]:
@@ -81,9 +75,6 @@ def stored_time(value: Any) -> datetime | None:
         return stored_value(RESULTS.c.created_at, value)
     except ValueError:
         return None
-
-
-# -- damage ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -202,8 +193,6 @@ class Reader:
             return None
 
 
-# -- reads -----------------------------------------------------------------------------------
-
 # Outer joins: a result whose device_id or build_id names no row still shows.
 _JOINED = RESULTS.outerjoin(DEVICES, RESULTS.c.device_id == DEVICES.c.id).outerjoin(
     BUILDS, RESULTS.c.build_id == BUILDS.c.id)
@@ -282,9 +271,6 @@ def key_conditions(key: TuningKey) -> list[ColumnElement[bool]]:
     """Conditions on a result row (joined to its device and build) that pick ``key``."""
     return [*device_is(key.device), BUILDS.c.build_hash == key.build_hash,
             *(RESULTS.c[k] == getattr(key, k) for k in KEY_COLUMNS[2:])]
-
-
-# -- writes ----------------------------------------------------------------------------------
 
 
 class StoredTimes(NamedTuple):
@@ -367,11 +353,7 @@ def stale_build_ids(session: Session, current_build: str | Collection[str] | Non
     return [] if newest is None else list(session.scalars(select(BUILDS.c.id).where(BUILDS.c.id != newest)))
 
 
-# -- the generation counter ------------------------------------------------------------------
-# Every write of results bumps it in its own transaction; a serving process reads this one value
-# (a primary-key lookup) to learn whether anything changed.  Never parsed: a damaged counter
-# costs at most one reload.
-
+# The generation counter is never parsed: a damaged one costs a serving process at most one reload.
 _BUMP = update(GENERATION).where(GENERATION.c.id == 1).values(generation=GENERATION.c.generation + 1)
 _READ_GENERATION = select(type_coerce(GENERATION.c.generation, NullType())).where(GENERATION.c.id == 1)
 

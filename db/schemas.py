@@ -18,8 +18,6 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import core_schema
 
-# -- errors ----------------------------------------------------------------------------------
-
 
 class StoreError(Exception):
     """The tuning database cannot be used; the message is one line for people, shown as is."""
@@ -64,8 +62,6 @@ class DbWarning(UserWarning):
     """A database problem that did not stop the caller: an upgrade in place, a fall-back to memory,
     skipped rows."""
 
-
-# -- values ----------------------------------------------------------------------------------
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 OutDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"]
@@ -395,8 +391,6 @@ class StoreStats(_Model):
     oldest: datetime | None
     newest: datetime | None
 
-
-# -- fleet tuning ----------------------------------------------------------------------------
 
 ClaimState = Literal["open", "claimed", "done", "failed"]
 

@@ -227,8 +227,6 @@ class Store:
 
         return self._read(work)
 
-    # -- writes and reads ----------------------------------------------------------------------
-
     def upsert(self, record: TuningRecord) -> None:
         """Insert ``record``, or replace the result and candidates stored for its key (``updated_at``
         becomes now; ``created_at`` is kept from the stored result, or the record, or now)."""
@@ -314,8 +312,6 @@ class Store:
         write of results, here or in any other process."""
         return self.transaction(read_generation, write=False)
 
-    # -- damage --------------------------------------------------------------------------------
-
     def damage(self) -> list[Damage]:
         """Every row that does not parse, and every row that cannot stand without one (never raises for them)."""
         return self.transaction(lambda session: read(session).damage, write=False)
@@ -365,8 +361,6 @@ class Store:
             return result
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
-
-    # -- pruning and exchange ------------------------------------------------------------------
 
     def prune(self, *, stale_builds: bool = False, current_build: str | Collection[str] | None = None,
               other_devices_than: DeviceInfo | str | None = None, older_than: timedelta | None = None,
@@ -457,9 +451,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"hex": bytes(value).hex()}
     return value if value is None or isinstance(value, (bool, int)) else str(value)
-
-
-# -- opening --------------------------------------------------------------------------------
 
 
 def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:

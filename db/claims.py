@@ -1,12 +1,7 @@
 """Claims: workers on any number of hosts share one grid through the database, with no coordinator.
 
-A worker claims a key in one transaction that locks its claim row (``SELECT ...
-FOR UPDATE SKIP LOCKED`` on PostgreSQL, so workers never wait on each other; on
-SQLite write transactions are ``BEGIN IMMEDIATE``), renews its lease with
-heartbeats while it tunes, and writes the result and the end of the claim in one
-transaction: a key is claimable or done, never lost in between.  A lease that runs
-out makes the key claimable again.  Times are the database server's clock.  One
-rule, :func:`standing`, serves ``tune --status``, ``db progress`` and the workers.
+A claim locks its row (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite);
+the result and the end of the claim are one transaction.  Times are the database server's clock.
 """
 
 from __future__ import annotations
@@ -35,14 +30,10 @@ CLAIMABLE: tuple[Standing, ...] = ("left", "expired")
 
 def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
              run_started: datetime | None = None, force: bool = False) -> Standing:
-    """Where one key stands, given its claim (``None``: none, or one that does not parse, which is
-    overwritten), whether a result is stored, and the database's clock.
-
-    ``run_started`` is when the asking worker started: a failure from before is
-    tried again, one from during the run is final for it (workers never retry each
-    other's failures in a loop).  With ``force`` stored keys are re-tuned once per
-    run: a key is done only if it was finished after ``run_started``.
-    """
+    """Where one key stands, given its claim (``None``: none, or one that does not parse), whether a
+    result is stored, and the database's clock.  A failure before ``run_started`` (when the asking
+    worker started) is tried again, one since is final; with ``force`` a key is done only if it was
+    finished since ``run_started``."""
     if claim is not None and claim.state == "claimed":
         return "claimed" if claim.expires_at is not None and claim.expires_at > now else "expired"
     finished_in_run = (claim is not None and claim.state in ("done", "failed")

@@ -56,12 +56,8 @@ class BadTarget(StoreError):
 
 @dataclass(frozen=True)
 class Target:
-    """A database as kvsplit and the driver both understand it.
-
-    ``shown`` is the target as written (password masked, control characters
-    escaped), ``url`` what the engine is made from, ``path`` the SQLite file
-    (``None`` in memory or on a server), ``default`` whether nothing was given.
-    """
+    """A database as kvsplit and the driver both understand it: ``shown`` as written (for messages),
+    ``path`` the SQLite file (``None`` in memory or on a server), ``default``: nothing was given."""
 
     shown: str
     url: URL
@@ -91,22 +87,9 @@ def shown_as_given(value: str) -> str:
     return visible(f"{scheme}://{user_info}{at}{host}{slash}{tail}")
 
 
-def is_memory(database: str | None, query: dict) -> bool:
-    """Whether an SQLite URL with this database and query is in memory (the one rule)."""
-    return database in (None, "", ":memory:") or query.get("mode") == "memory"
-
-
 def parse_target(value: str | None = None) -> Target:
     """The database that ``value`` names, else ``$KVSPLIT_DB``, else ``tuning.sqlite`` in the user
-    cache directory (an empty string counts as not given).
-
-    Raises
-    ------
-    BadTarget
-        A URL that does not parse or that SQLite would read differently, a
-        ``~user`` whose home is unknown, a NUL character, a relative path
-        with no current directory.
-    """
+    cache directory (an empty string counts as not given); :class:`BadTarget` if there is none."""
     given = value or os.environ.get(ENV_VAR) or None
     if given is None:
         path = Path(platformdirs.user_cache_dir("kvsplit")) / "tuning.sqlite"
@@ -170,7 +153,7 @@ def _from_url(given: str) -> Target:
     if url.query.get("mode", "memory") != "memory":
         raise BadTarget(f"bad database URL {shown!r}: mode={visible(url.query['mode'])} is not taken; "
                         f"only mode=memory (an in-memory database)")
-    if is_memory(url.database, url.query):
+    if is_memory_url(url):
         return Target(shown, URL.create(url.drivername), memory=True)
     address, path = _absolute(shown, url.database)
     return Target(shown, url.set(database=address.database), path)
@@ -199,18 +182,15 @@ def engine_name(engine: Engine) -> str:
 
 
 def is_memory_url(url: URL) -> bool:
-    """Whether ``url`` names an in-memory SQLite database."""
-    return url.get_backend_name() == "sqlite" and is_memory(url.database, url.query)
+    """Whether ``url`` names an in-memory SQLite database (the one rule)."""
+    return url.get_backend_name() == "sqlite" and (url.database in (None, "", ":memory:")
+                                                   or url.query.get("mode") == "memory")
 
 
 def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
-    """An engine for ``target`` (a string is read by :func:`parse_target`).
-
-    ``timeout_s`` is SQLite's busy timeout and PostgreSQL's connect timeout, in
-    seconds; with ``pooled`` false an SQLite file's connections close after
-    each transaction (a serving process: see :class:`~kvsplit.db.store.Store`).
-    A URL that does not parse, an unknown dialect or a missing driver is a :class:`StoreError`.
-    """
+    """An engine for ``target`` (a string is read by :func:`parse_target`), or a :class:`StoreError`.
+    ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds; ``pooled``
+    false: an SQLite file's connections close after each transaction."""
     if not isinstance(target, Target):
         target = parse_target(target)
     shown, url = target.shown, target.url
@@ -343,14 +323,6 @@ def immutable(path: str) -> bool:
     return bool(attributes & supported & 0x10)
 
 
-@dataclass(frozen=True)
-class Change:
-    """What happened to the file, and whether a file stands at its path that may be reopened."""
-
-    what: str
-    reopen: bool
-
-
 class FileWatch:
     """The device and inode of an SQLite file when it was opened, checked on request."""
 
@@ -359,18 +331,19 @@ class FileWatch:
         stat = os.stat(path)
         self._identity = (stat.st_dev, stat.st_ino)
 
-    def changed(self) -> Change | None:
-        """``None`` while the file is the one opened, else what happened to it."""
+    def changed(self) -> tuple[str, bool] | None:
+        """``None`` while the file is the one opened, else what happened to it and whether a file
+        stands at its path that may be reopened."""
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:
-            return Change("was deleted", reopen=False)
+            return "was deleted", False
         except OSError as exc:
-            return Change(f"cannot be looked at any more ({exc.strerror})", reopen=False)
+            return f"cannot be looked at any more ({exc.strerror})", False
         if any(immutable(f"{self.path}{suffix}") for suffix in ("", "-wal", "-shm")):
-            return Change("was made immutable", reopen=False)
+            return "was made immutable", False
         if (stat.st_dev, stat.st_ino) != self._identity:
-            return Change("was replaced by another file", reopen=True)
+            return "was replaced by another file", True
         if stat.st_size == 0:  # an open database always has its header page
-            return Change("was emptied", reopen=False)
+            return "was emptied", False
         return None

@@ -1,8 +1,4 @@
-"""Schema versions: Alembic run from code (no alembic.ini), with the scripts in ``migrations/``.
-
-Opening a store calls :func:`ensure_schema`: an empty database is created at the
-head revision, an older one upgraded in place, a newer one refused.
-"""
+"""Schema versions: Alembic run from code (no alembic.ini), with the scripts in ``migrations/``."""
 
 from __future__ import annotations
 
@@ -65,12 +61,8 @@ def _check_known(revision: str | None, shown: str) -> None:
 
 
 def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True) -> str | None:
-    """The one revision stamped in the database; ``None`` for a database without kvsplit tables.
-
-    :class:`SchemaDamaged`: kvsplit tables without a version row, several rows, a
-    row that is not a revision id, or (at head, with ``check_tables``) a missing
-    table; :class:`SchemaTooNew`: a revision this code does not know.
-    """
+    """The one revision stamped in the database, ``None`` without kvsplit tables; else
+    :class:`SchemaDamaged` (or, at head with ``check_tables``, a missing table) or :class:`SchemaTooNew`."""
     tables = set(inspect(conn).get_table_names())
     has_version_table = VERSION_TABLE in tables
     rows = [r[0] for r in conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))] if has_version_table else []
@@ -96,13 +88,8 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
 
 
 def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
-    """Restore a damaged version table or missing tables (``kvsplit db repair``); one line per repair.
-
-    A version table that is missing, empty, doubled or garbage is stamped with the
-    head revision, but only when every table and column of the head schema is
-    there (else nobody can tell the tables' revision).  At head, missing tables are
-    created empty.  A newer schema is :class:`SchemaTooNew`.
-    """
+    """Restore a damaged version table (stamped head, only when every table there has every column of
+    head) or missing tables (created empty) for ``kvsplit db repair``; one line per repair."""
     shown, head = engine_name(engine), head_revision()
     with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn, conn.begin():
         try:
@@ -163,12 +150,8 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | Non
 
 
 def ensure_schema(engine: Engine, *, create: bool = True) -> str | None:
-    """Bring the database to the head revision; the revision it had if it was upgraded, else ``None``.
-
-    With ``create`` false an empty database is :class:`NoDatabase`; a damaged
-    version table or missing table is :class:`SchemaDamaged`, a newer revision
-    :class:`SchemaTooNew`.
-    """
+    """Bring the database to the head revision (empty with ``create`` false: :class:`NoDatabase`);
+    the revision it had if it was upgraded, else ``None``."""
     head = head_revision()
     with engine.connect() as conn:
         found = stamped_revision(conn, engine_name(engine))

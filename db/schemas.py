@@ -1,10 +1,7 @@
 """What leaves the store: pydantic models, the plain config type, and the store's errors.
 
-Times are microseconds, timestamps aware UTC.  Dtypes are torch names without
-``torch.``.  Unknown fields are refused, so an export with a typo fails instead
-of losing data.  A kernel config is plain data here (:class:`Config`); which
-families and values exist is checked above the store by a subclass
-(``kvsplit.config.KernelConfig``) given as ``context={"config": ...}``.
+Times are microseconds, timestamps aware UTC, dtypes torch's names.  Unknown fields are refused.
+A config's vocabulary is checked above the store, by a subclass given as ``context={"config": ...}``.
 """
 
 from __future__ import annotations

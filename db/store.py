@@ -64,13 +64,10 @@ def memory_engine() -> Engine:
 
 
 class Store:
-    """Tuning results in a database at the head revision, through one engine (open it with
-    :func:`open_store` and its siblings).
-
-    ``config_type`` is what stored configs become: plain :class:`Config`, or a
-    subclass that checks the kernel layer's vocabulary (``kvsplit.config.KernelConfig``),
-    so that a config it refuses is a row that does not parse.
-    """
+    """Tuning results in a database at the head revision (open it with :func:`open_store` and its
+    siblings).  ``config_type`` is what stored configs become (``kvsplit.config.KernelConfig``
+    above the store): a config it refuses is a row that does not parse.  ``on_damage``: rows that do not
+    parse raise :class:`DamagedRows` (``"raise"``) or are skipped with one :class:`DbWarning` (``"warn"``)."""
 
     def __init__(self, engine: Engine, *, target: Target | None = None, fallback: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_damage: OnDamage | None = None,
@@ -171,11 +168,12 @@ class Store:
         change = watch.changed()
         if change is None:
             return
+        what, reopen = change
         with self._swap_lock:
             if self._watch is not watch:
                 return  # another thread dealt with it
             old = self._engine
-            engine, problem = self._reopen() if change.reopen else (None, None)
+            engine, problem = self._reopen() if reopen else (None, None)
             if engine is not None:
                 self._watch = _watch(self._target)
                 self.reopened += 1
@@ -184,12 +182,12 @@ class Store:
                 engine, self._watch = memory_engine(), None
                 unusable = f"; the new file cannot be used ({problem})" if problem else ""
                 outcome = f"{unusable}; continuing in memory (what is profiled from now on stays in this process)"
-            warnings.warn(f"kvsplit tuning database {engine_name(old)} {change.what}{outcome}", DbWarning,
+            warnings.warn(f"kvsplit tuning database {engine_name(old)} {what}{outcome}", DbWarning,
                           stacklevel=5)
             self._engine = engine
         # An immutable file's connections are dropped, never closed: closing writes to its
         # mapped shared-memory index, which is what kills the process.
-        old.dispose(close="immutable" not in change.what)
+        old.dispose(close="immutable" not in what)
 
     def _reopen(self) -> tuple[Engine | None, str | None]:
         try:
@@ -257,12 +255,8 @@ class Store:
               head_dim: int | None = None, dtype: str | None = None, out_dtype: str | None = None,
               stats_format: str | None = None, num_splits: int | Iterable[int] | None = None,
               rows: int | Iterable[int] | None = None) -> list[TuningRecord]:
-        """Records matching every filter given, in key order.
-
-        ``device`` is a :class:`DeviceInfo` (exact) or a string matched
-        case-insensitively against part of the device name; ``dtype`` filters the
-        partials' dtype; ``num_splits`` and ``rows`` may be several values.
-        """
+        """Records matching every filter given, in key order: ``device`` exact, or a string matched
+        case-insensitively in the name; ``dtype`` the partials'; ``num_splits`` and ``rows`` one or several."""
         if any(value is not None and "\x00" in value for value in (build_hash, dtype, out_dtype, stats_format)):
             return []  # no stored text holds a NUL; PostgreSQL would refuse the parameter
         r = RESULTS.c
@@ -491,15 +485,10 @@ def _ready_engine(url: str | None, timeout_s: float, *, create: bool = True,
 
 def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, create: bool = True,
                on_damage: OnDamage = "raise", config_type: type[Config] = Config) -> Store:
-    """Open the tuning database, creating or upgrading its schema (an upgrade warns once).
-
-    ``url``: an SQLAlchemy URL or an SQLite file path (:mod:`kvsplit.db.engine`), else
-    ``$KVSPLIT_DB``, else ``tuning.sqlite`` in the user cache directory.  ``timeout_s``:
-    how long to wait for another process's lock, in seconds.  ``create`` false: a
-    missing file, memory or a database without kvsplit tables is :class:`NoDatabase`.
-    ``on_damage``: rows that do not parse raise :class:`DamagedRows` or are skipped with
-    one :class:`DbWarning`.  Any database problem is a :class:`StoreError`.
-    """
+    """Open the database ``url`` names (see :func:`~kvsplit.db.engine.parse_target`), creating or
+    upgrading its schema (an upgrade warns once); any problem is a :class:`StoreError`.  ``timeout_s``:
+    how long to wait for another process's lock, in seconds; ``create`` false: a missing file, memory
+    or a database without kvsplit tables is :class:`NoDatabase`; ``on_damage``: see :class:`Store`."""
     engine, target = _ready_engine(url, timeout_s, create=create)
     return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)
 

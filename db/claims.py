@@ -136,10 +136,6 @@ def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, A
     return rows
 
 
-def _decoded(raw: dict[str, Any] | None) -> ClaimInfo | None:
-    return Reader().claim(raw)
-
-
 def _register(session: Session, texts: Sequence[str]) -> None:
     # An open claim row for each key (canonical text) that has none; a race with another worker is fine.
     dialect_insert = _INSERTS.get(session.get_bind().dialect.name)
@@ -200,7 +196,7 @@ class Claims:
                 rows.update(_claim_rows(session, missing))
             stored = _stored(session, keys)
             where: dict[str, Standing] = {
-                t: standing(_decoded(rows.get(t)), k in stored, now, run_started=run_started, force=force)
+                t: standing(Reader().claim(rows.get(t)), k in stored, now, run_started=run_started, force=force)
                 for t, k in texts.items()}
             counts = {s: list(where.values()).count(s) for s in ("done", "claimed", "failed", "expired", "left")}
             skipped_locked = 0
@@ -213,7 +209,7 @@ class Claims:
                 if locked is None:  # another worker is claiming it in this very moment
                     skipped_locked += 1
                     continue
-                before = _decoded(dict(locked))
+                before = Reader().claim(dict(locked))
                 # Read again under the lock: on PostgreSQL (read committed) each statement sees
                 # the latest commits, so a worker that finished this key after `stored` was read
                 # left a done row whose result the stale set would miss ("done but since
@@ -276,7 +272,7 @@ class Claims:
                 rows = [dict(m) for m in session.execute(select(*_RAW).order_by(CLAIMS.c.id)).mappings()]
             else:
                 rows = list(_claim_rows(session, [key_text(k) for k in keys]).values())
-            claims = {c.key: c for c in map(_decoded, rows) if c is not None}
+            claims = {c.key: c for c in map(Reader().claim, rows) if c is not None}
             wanted = list(claims) if keys is None else list(keys)
             return summarize(self.url, now, wanted, claims, _stored(session, wanted))
 

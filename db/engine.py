@@ -228,18 +228,14 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
     return engine
 
 
-def _lenient_text(data: bytes) -> str:
-    # Invalid UTF-8 must not fail the whole query: it reads back with surrogates, which rows.py calls damage.
-    return data.decode("utf-8", "surrogateescape")
-
-
 def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, connection_record):  # noqa: ANN001
         # The driver's own transactions are off: it would BEGIN deferred, and a deferred
         # transaction that later writes fails at once under WAL ("database is locked").
         dbapi_connection.isolation_level = None
-        dbapi_connection.text_factory = _lenient_text
+        # Invalid UTF-8 must not fail the whole query: it reads back with surrogates, which rows.py calls damage.
+        dbapi_connection.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")  # first: WAL itself needs the lock

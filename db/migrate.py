@@ -114,11 +114,8 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
         if dry_run or not done:
             return done
         Base.metadata.create_all(conn, tables=missing)
-        if restamp and VERSION_TABLE in tables:
-            conn.execute(text(f"DELETE FROM {VERSION_TABLE}"))
-            conn.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"), {"v": head})
-        elif restamp:
-            command.stamp(_config(conn), head)
+        if restamp:
+            command.stamp(_config(conn), head, purge=True)  # purge: whatever rows the table holds go
         return done
 
 

@@ -19,7 +19,6 @@ from .schemas import (BASELINE, BuildStats, CandidateResult, ChoiceKey, ClaimInf
 _STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage": "rows", "head_revision": "migrate",
                "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine", "Store": "store", "open_store": "store",
                "open_store_for_library": "store", "open_store_for_repair": "store"}
-__all__ = sorted([name for name in globals() if name[0].isupper()] + list(_STORE_SIDE))
 
 
 def __getattr__(name: str):
@@ -29,3 +28,11 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
+
+
+__all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "BuildStats", "CandidateResult", "ChoiceKey", "Claim",
+           "ClaimInfo", "Claims", "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats",
+           "ExportFile", "ImportSummary", "KernelBuildInfo", "NoDatabase", "Progress", "PruneResult", "RepairResult",
+           "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError", "StoreStats", "TuningKey", "TuningPolicy",
+           "TuningRecord", "WorkerProgress", "head_revision", "open_store", "open_store_for_library",
+           "open_store_for_repair"]

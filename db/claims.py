@@ -95,8 +95,7 @@ def database_now(session: Session) -> datetime:
     """The database server's clock, aware UTC (this host's for other backends)."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        value = session.execute(select(_NOW_PG)).scalar_one()
-        return value.astimezone(timezone.utc)
+        return session.execute(select(_NOW_PG)).scalar_one().astimezone(timezone.utc)
     if dialect == "sqlite":
         value = stored_time(session.execute(select(_NOW_SQLITE)).scalar_one())
         if value is not None:
@@ -130,8 +129,7 @@ class Step:
 def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for start in range(0, len(texts), _CHUNK):
-        chunk = texts[start:start + _CHUNK]
-        for raw in session.execute(select(*_RAW).where(_KEY_TEXT.in_(chunk))).mappings():
+        for raw in session.execute(select(*_RAW).where(_KEY_TEXT.in_(texts[start:start + _CHUNK]))).mappings():
             rows[raw["key"]] = dict(raw)
     return rows
 

@@ -13,7 +13,9 @@ shape, decides in this order:
 3. the tuning database (``KVSPLIT_DB``), loaded whole for this device and
    kernel build on first use (the store, and the tuner, are imported then:
    ``import kvsplit`` loads neither);
-4. the tables shipped with the package for this device;
+4. the tables shipped with the package for this device (in ``auto``, only a
+   record that timed every family the present tuner would time for its key:
+   a table made before a family existed does not keep that family from it);
 5. ``auto``: profile the key now (never during CUDA-graph capture: then the
    heuristic serves, nothing is cached and the key is recorded as pending);
    ``cached``: the heuristic.
@@ -258,7 +260,8 @@ class Dispatcher:
         if stored is not None:
             return Decision(constrained(stored), "database", key)
         shipped = _shipped_table(facts).get(key.choice_key)
-        if shipped is not None:
+        if shipped is not None and (mode == "cached" or capturing
+                                    or not _untimed_families(facts, key, (rows, num_splits))):
             return Decision(constrained(shipped), "shipped", key)
         fallback = kvsplit_config(heuristic(num_splits))
         if mode == "cached":
@@ -435,6 +438,7 @@ def _forget_pool(dispatcher: Dispatcher):
 
 
 _SHIPPED: dict[DeviceFacts, dict] = {}
+_SHIPPED_TIMED: dict[DeviceFacts, dict] = {}  # per key: the families its record timed
 
 
 def _shipped_table(facts: DeviceFacts) -> dict:
@@ -443,7 +447,7 @@ def _shipped_table(facts: DeviceFacts) -> dict:
     if table is None:
         from ..export import read_export
 
-        table = {}
+        table, timed = {}, {}
         info = device_info(facts)
         folder = resources.files("kvsplit").joinpath("tables")
         for entry in folder.iterdir() if folder.is_dir() else ():
@@ -451,8 +455,25 @@ def _shipped_table(facts: DeviceFacts) -> dict:
                 for record in read_export(entry.read_text()):
                     if record.key.device == info:
                         table[record.key.choice_key] = record.winner
-        _SHIPPED[facts] = table
+                        timed[record.key.choice_key] = frozenset(c.config.family for c in record.candidates)
+        _SHIPPED[facts], _SHIPPED_TIMED[facts] = table, timed
     return table
+
+
+def _untimed_families(facts: DeviceFacts, key, shape: tuple[int, int]) -> set[str]:
+    """The families that the tuner would time for ``key`` now and its shipped record never did.
+
+    A record that lists no candidates is taken as it is (nothing to compare).
+    """
+    timed = _SHIPPED_TIMED.get(facts, {}).get(key.choice_key)
+    if not timed:
+        return set()
+    from ..autotune import tuner  # the tuner's pruning decides what it would time
+
+    configs = configs_for_key(key, is_cuda=facts.is_cuda, shape=shape)
+    if facts.is_cuda:
+        configs = tuner.prune(configs, key)
+    return {config.family for config in configs} - timed
 
 
 dispatcher = Dispatcher(launch_table)

@@ -22,13 +22,14 @@ import torch
 import kvsplit
 from kvsplit.autotune import tuner
 from kvsplit.config import KernelConfig, build_hash
-from kvsplit.db import DbWarning, DeviceInfo, open_store
+from kvsplit.db import CandidateResult, DbWarning, DeviceInfo, TuningPolicy, TuningRecord, open_store
 from kvsplit.export import dump_export, make_export
 from kvsplit.dispatch import dispatcher as dispatch_module
 from kvsplit.dispatch import pending
-from kvsplit.dispatch.constraints import (DSPLIT, KV_SPLITS, constrain, kvsplit_config,
+from kvsplit.dispatch.constraints import (DSPLIT, FEW, KV_SPLITS, constrain, kvsplit_config,
                                           valid_kv_splits)
 from kvsplit.dispatch.device import DeviceFacts, device_facts
+from kvsplit.dispatch.keys import tuning_key
 
 pytestmark = pytest.mark.usefixtures("isolated")
 
@@ -251,6 +252,41 @@ def test_the_database_wins_over_the_shipped_table(call, isolated, keys, shipped_
     (shipped_tables / "this-cpu.json").write_text(dump_export(make_export([keys.stored_record(key, 8)])))
     keys.store_winner(isolated.url, key, 2)
     assert call(num_splits=16, rows=8)[0] == 2
+
+
+def _shipped_record(key, configs: list[KernelConfig]) -> TuningRecord:
+    """A shipped record that timed ``configs`` (the first won)."""
+    timed = [CandidateResult(config=c, median_us=2.0 + i, p10_us=2.0 + i, p90_us=2.0 + i, samples=8,
+                             matched=True) for i, c in enumerate(configs)]
+    return TuningRecord(key=key, winner=configs[0], candidates=timed,
+                        policy=TuningPolicy(repeats=1, noise_margin=0.02), tool_version="test")
+
+
+@pytest.mark.parametrize("mode", ["auto", "cached"])
+@pytest.mark.parametrize("timed", ["every family", "kvsplit only"])
+def test_a_shipped_record_that_never_timed_a_family_is_profiled_again_in_auto(
+        monkeypatch, shipped_tables, tuner_calls, mode, timed):
+    """A table tuned before a family existed (a GPU's record that timed KvSplit only, at 8
+    states, where DSplit and Few run too) serves ``cached``; ``auto`` profiles the key, so
+    that the present families compete. A record that timed every family serves both."""
+    gpu = DeviceFacts("Simulated GPU", 9, 0, 132, True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nothing is capturing
+    monkeypatch.setenv("KVSPLIT_MODE", mode)
+    shape = (64, torch.bfloat16, torch.bfloat16, 0, 8, 48)
+    key = tuning_key(gpu, "shipped-elsewhere", 64, "bfloat16", "bfloat16", "maxsum", 8, 48)
+    configs = [KernelConfig.kvsplit(2), KernelConfig.kvsplit(1)]
+    if timed == "every family":
+        configs += [KernelConfig.dsplit(1, 1), KernelConfig.few(1)]
+    (shipped_tables / "simulated.json").write_text(dump_export(make_export([_shipped_record(key, configs)])))
+    the_dispatcher = dispatch_module.dispatcher
+    chosen, _ = the_dispatcher.choose_config(gpu, torch.device("cpu"), *shape, None)
+    decision = the_dispatcher.explain(gpu, *shape)
+    if mode == "auto" and timed == "kvsplit only":
+        assert decision.source == "tuned" and len(tuner_calls.keys) == 1
+        assert dispatch_module._untimed_families(gpu, key, (48, 8)) == {DSPLIT, FEW}
+    else:
+        assert decision.source == "shipped" and tuner_calls.keys == []
+        assert chosen == KernelConfig.kvsplit(2)
 
 
 def test_a_stored_choice_serves_a_new_dispatcher_without_tuning(call, tuner_calls, kernel_ks, keys):

@@ -287,17 +287,19 @@ class Store:
             devices = []
             for device, recs in sorted(per_device.items(), key=lambda item: item[0].label):
                 speedups = [s for s in (r.speedup for r in recs) if s is not None]
+                oldest, newest = _span(recs)
                 devices.append(DeviceStats(device=device, keys=len(recs), max_speedup=max(speedups, default=None),
                                            mean_speedup=sum(speedups) / len(speedups) if speedups else None,
-                                           oldest=_span(recs)[0], newest=_span(recs)[1]))
+                                           oldest=oldest, newest=newest))
             versions = sorted({b.build_hash: b.library_version for b in found.builds.values()}.items())
+            overall = _span(records)
             named = (current_build if current_build is None or isinstance(current_build, str)
                      else ",".join(sorted(current_build)))
             return StoreStats(
                 url=self.url, keys=len(records), devices=devices, current_build=named,
                 builds=[BuildStats(build_hash=h, library_version=v, keys=len(per_build[h]),
                                    newest=_span(per_build[h])[1], stale=h in stale) for h, v in versions],
-                oldest=_span(records)[0], newest=_span(records)[1]), found.damage
+                oldest=overall[0], newest=overall[1]), found.damage
 
         return self._read(work)
 

@@ -15,7 +15,8 @@ shape, decides in this order:
    ``import kvsplit`` loads neither);
 4. the tables shipped with the package for this device (in ``auto``, only a
    record that timed every family the present tuner would time for its key:
-   a table made before a family existed does not keep that family from it);
+   a table made before a family existed does not keep that family from it;
+   such a record's winner serves a capture in place of the heuristic);
 5. ``auto``: profile the key now (never during CUDA-graph capture: then the
    heuristic serves, nothing is cached and the key is recorded as pending);
    ``cached``: the heuristic.
@@ -259,9 +260,10 @@ class Dispatcher:
             stored = self._table(facts, key.build_hash, db_url).get(key.choice_key)
         if stored is not None:
             return Decision(constrained(stored), "database", key)
+        # A shipped record that never timed a family the tuner would time now is, in auto, a
+        # miss whose winner stands in for the heuristic until the key is profiled.
         shipped = _shipped_table(facts).get(key.choice_key)
-        if shipped is not None and (mode == "cached" or capturing
-                                    or not _untimed_families(facts, key, (rows, num_splits))):
+        if shipped is not None and (mode == "cached" or not _untimed_families(facts, key, (rows, num_splits))):
             return Decision(constrained(shipped), "shipped", key)
         fallback = kvsplit_config(heuristic(num_splits))
         if mode == "cached":
@@ -270,7 +272,7 @@ class Dispatcher:
             from . import pending as pending_keys  # the store's side loads on a table miss
 
             pending_keys.add(key)
-            return Decision(constrained(fallback), "capture", key)
+            return Decision(constrained(fallback if shipped is None else shipped), "capture", key)
         return self._tune(facts, device, key, (rows, num_splits), db_url, constrained, fallback)
 
     def _tune(self, facts, device, key, shape, db_url, constrained, fallback) -> Decision:

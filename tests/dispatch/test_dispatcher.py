@@ -289,6 +289,30 @@ def test_a_shipped_record_that_never_timed_a_family_is_profiled_again_in_auto(
         assert chosen == KernelConfig.kvsplit(2)
 
 
+def test_during_capture_a_shipped_record_that_never_timed_a_family_serves_and_leaves_the_key_pending(
+        monkeypatch, shipped_tables, tuner_calls, isolated):
+    """In ``auto``, while a stream captures: such a record's winner serves instead of the heuristic,
+    nothing is cached and the key is pending, so that the next uncaptured call profiles it."""
+    gpu = DeviceFacts("Simulated GPU", 9, 0, 132, True)
+    capturing = True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capturing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    shape = (64, torch.bfloat16, torch.bfloat16, 0, 8, 48)
+    shipped_key = tuning_key(gpu, "shipped-elsewhere", 64, "bfloat16", "bfloat16", "maxsum", 8, 48)
+    record = _shipped_record(shipped_key, [KernelConfig.kvsplit(2), KernelConfig.kvsplit(1)])
+    (shipped_tables / "simulated.json").write_text(dump_export(make_export([record])))
+    the_dispatcher = dispatch_module.dispatcher
+    chosen, _ = the_dispatcher.choose_config(gpu, torch.device("cpu"), *shape, None)
+    assert chosen == KernelConfig.kvsplit(2) and tuner_calls.keys == []
+    assert the_dispatcher.explain(gpu, *shape) is None  # nothing cached
+    key = shipped_key.model_copy(update={"build_hash": build_hash(True)})
+    assert pending._keys == {key}
+
+    capturing = False
+    the_dispatcher.choose_config(gpu, torch.device("cpu"), *shape, None)
+    assert tuner_calls.keys == [key] and the_dispatcher.explain(gpu, *shape).source == "tuned"
+
+
 def test_a_stored_choice_serves_a_new_dispatcher_without_tuning(call, tuner_calls, kernel_ks, keys):
     k, decision = call(num_splits=20, rows=10)
     assert decision.source == "tuned" and len(tuner_calls.keys) == 1

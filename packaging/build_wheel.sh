@@ -205,12 +205,15 @@ done
 auditwheel=()
 if [ -n "${AUDITWHEEL:-}" ]; then
   auditwheel=("$AUDITWHEEL")
-elif found=$(find_tool auditwheel); then
-  auditwheel=("$found")
 else
+  # The building Python's own first; a command on PATH only if it runs (a pyenv shim may not).
   for py in "${pythons[@]}" python3; do
     "$py" -c "import auditwheel" 2>/dev/null && { auditwheel=("$py" -m auditwheel); break; }
   done
+  if [ ${#auditwheel[@]} -eq 0 ] && found=$(find_tool auditwheel) &&
+     "$found" --version >/dev/null 2>&1; then
+    auditwheel=("$found")
+  fi
 fi
 # _ext needs no library to graft into the wheel, so no patchelf either.
 repair=(repair --plat "$PLAT" --only-plat)

@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 
 status=0
 for stage in "${stages[@]}"; do
-  echo "=== $stage"
+  echo "=== $stage ($(date +%T))" | tee -a "$LOG"
   case $stage in
     build)
       if [ -d .kvbuild/kv ]; then
@@ -177,4 +177,5 @@ if ls "$OUT"/bench_*.json >/dev/null 2>&1; then
   python3 benchmarks/report.py "$OUT" > "$OUT/report.md" || status=1
   cat "$OUT/report.md" >> "$LOG"
 fi
+echo "=== end ($(date +%T)), status $status" | tee -a "$LOG"
 exit $status

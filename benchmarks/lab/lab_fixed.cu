@@ -12,8 +12,17 @@
 //            scaling, sinks and stats export (each off at run time);
 //   general  the product's general kernel (few_kernel), which the lean one
 //            (few_lean_kernel) spares these calls;
-//   product  launch_few_typed, as the extension launches it.
+//   product  launch_few_typed, as the extension launches it;
+//   hand16 / hand8 / hand4
+//            a two-state merge written out by hand (no MergeState, no
+//            FastDivmod: rows of a power-of-two lane count), loads of 16, 8
+//            or 4 bytes a thread, CTAs as make_few_launch sizes them;
+//   row16 / row8
+//            the same with one CTA per row (Triton's serial merge's grid:
+//            a program per row, its threads the row's lanes).
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "kvsplit/launch.h"
 #include "kvsplit/merge_few.cuh"
@@ -99,6 +108,61 @@ __global__ void __launch_bounds__(256, 1) any_kernel(const MergeParams p, const 
   }
 }
 
+// A two-state merge written out: each thread loads both LSEs and its piece
+// of both partials, then weights, one store. kBytes a thread a state.
+template <int kBytes>
+__global__ void __launch_bounds__(1024) hand_kernel(const __nv_bfloat16* o, const float* s,
+                                                    __nv_bfloat16* out, int rows, int lanes_log2,
+                                                    int64_t o_split, int64_t s_split) {
+  constexpr int kElems = kBytes / 2;
+  using Vec = typename std::conditional<kBytes == 16, uint4,
+              typename std::conditional<kBytes == 8, uint2, uint32_t>::type>::type;
+  const int thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const int row = thread >> lanes_log2;
+  if (row >= rows) return;
+  const int64_t at = int64_t{thread} * kElems;  // rows are lanes * kElems elements, packed
+  const float s0 = __ldg(s + row), s1 = __ldg(s + s_split + row);
+  Vec raw0 = __ldg(reinterpret_cast<const Vec*>(o + at));
+  Vec raw1 = __ldg(reinterpret_cast<const Vec*>(o + o_split + at));
+  const float m = fmaxf(s0, s1);
+  const float anchor = m == -INFINITY ? 0.f : m;
+  const float w0 = fast_exp2(s0 - anchor), w1 = fast_exp2(s1 - anchor);
+  const float total = w0 + w1;
+  const float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;
+  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&raw0);
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw1);
+  Vec result;
+  __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+  for (int i = 0; i < kElems / 2; ++i) {
+    const float2 x = __bfloat1622float2(a[i]), y = __bfloat1622float2(b[i]);
+    r[i] = __floats2bfloat162_rn((w0 * x.x + w1 * y.x) * inv, (w0 * x.y + w1 * y.y) * inv);
+  }
+  *reinterpret_cast<Vec*>(out + at) = result;
+}
+
+int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream) {
+  const int lanes = static_cast<int>(p.head_dim) * 2 / bytes;
+  if (lanes < 1 || (lanes & (lanes - 1))) return -1;
+  int lanes_log2 = 0;
+  while ((1 << lanes_log2) < lanes) ++lanes_log2;
+  const int rows = static_cast<int>(p.rows);
+  int cta = lanes, ctas = rows;
+  if (!row_grid) {
+    const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
+    cta = shape.cta_threads;
+    ctas = static_cast<int>(shape.ctas);
+  }
+  const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  switch (bytes) {
+    case 16: hand_kernel<16><<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split, p.stats_stride_split); break;
+    case 8: hand_kernel<8><<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split, p.stats_stride_split); break;
+    default: hand_kernel<4><<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split, p.stats_stride_split); break;
+  }
+  return 0;
+}
+
 FewGeometry geometry(const MergeParams& p, int sm_count, FewLaunch& shape) {
   const int lanes = few_threads_per_row(p.head_dim, 2, 1);
   shape = make_few_launch(lanes, p.rows, sm_count);
@@ -111,7 +175,8 @@ FewGeometry geometry(const MergeParams& p, int sm_count, FewLaunch& shape) {
 
 using namespace kvsplit;
 
-// variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product. Split-major
+// variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product, 7 hand16, 8 hand8,
+// 9 hand4, 10 row16, 11 row8. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -134,6 +199,11 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 3: bigp_kernel<<<grid, block, 0, stream>>>(p, geo); break;
     case 4: any_kernel<<<grid, block, 0, stream>>>(p, geo); break;
     case 5: few_kernel<DType::kBFloat16, StatsFormat::kLse, 2, 1><<<grid, block, 0, stream>>>(p, geo); break;
+    case 7: case 8: case 9: case 10: case 11: {
+      const int bytes[] = {16, 8, 4, 16, 8};
+      if (launch_hand(p, bytes[variant - 7], variant >= 10, sm_count, stream) != 0) return -1;
+      break;
+    }
     default: {
       KernelConfig config;
       config.family = Family::kFew;

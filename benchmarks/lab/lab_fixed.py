@@ -23,7 +23,8 @@ import labkit  # noqa: E402
 timing = labkit.load("lab_timing", "autotune/timing.py")
 peers = labkit.load("lab_peers", "benchmarks/peers.py")
 
-VARIANTS = ["bare", "ex", "pdl", "bigp", "any", "general", "product"]
+VARIANTS = ["bare", "ex", "pdl", "bigp", "any", "general", "product", "hand16", "hand8", "hand4",
+            "row16", "row8"]
 SHAPES = [(8, 128), (32, 128), (128, 128), (512, 128), (4096, 128), (32768, 128), (16, 512),
           (1024, 512)]
 
@@ -41,7 +42,7 @@ def main() -> int:
     def stream():
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
-    names = ["noop", "read", "triton"] + VARIANTS
+    names = ["noop", "read", "triton", "triton4w"] + VARIANTS
     lines = ["| rows | D | " + " | ".join(names) + " | product - bare |",
              "|---" * (len(names) + 3) + "|"]
     for rows, head_dim in SHAPES:
@@ -68,6 +69,8 @@ def main() -> int:
             ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
             ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
         runs["triton"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0)
+        runs["triton4w"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0,
+                                                        num_warps=4)
         launch_us = (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0
         times = {key: t.median_us for key, t in timing.time_cuda_graphs(
             runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}

@@ -44,7 +44,10 @@ for stage in "${stages[@]}"; do
           > /tmp/kvsplit-build.log 2>&1 || { tail -40 /tmp/kvsplit-build.log | tee -a "$LOG"; exit 1; }
         grep -E "warning|spill" /tmp/kvsplit-build.log | sort | uniq -c | head -20 | tee -a "$LOG"
       fi
-      python3 -P -c "import kvsplit._ext as e; print('built', e.cuda_build_hash, e.cpu_build_hash, e.cuda_architectures)" ;;
+      # A tree that lost its Python files still imports kvsplit._ext (as a namespace package).
+      python3 -P -c "import kvsplit, kvsplit._ext as e; assert kvsplit.__file__, 'no kvsplit/__init__.py'; \
+print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_architectures)" ||
+        { echo "build: kvsplit does not import whole from /tmp/kv (carry .kvbuild/kv again)" | tee -a "$LOG"; exit 1; } ;;
     tests)
       python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;

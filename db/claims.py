@@ -7,7 +7,7 @@ the result and the end of the claim are one transaction.  Times are the database
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -46,36 +46,6 @@ def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
     if finished_in_run and claim.state == "failed":  # type: ignore[union-attr]
         return "failed"
     return "left"  # open, never claimed, damaged, an old failure, or done but since pruned
-
-
-def summarize(url: str, now: datetime, keys: Iterable[TuningKey], claims: dict[TuningKey, ClaimInfo],
-              stored: set[TuningKey]) -> Progress:
-    """The :class:`Progress` of ``keys`` given their claims and which ones have a stored result."""
-    counts: dict[str, int] = defaultdict(int)
-    workers: dict[str, list[ClaimInfo]] = defaultdict(list)
-    failures = []
-    attempts = 0
-    keys = list(keys)
-    for key in keys:
-        claim = claims.get(key)
-        where = standing(claim, key in stored, now)
-        counts[where] += 1
-        attempts += claim.attempts if claim is not None else 0
-        if where == "claimed":
-            workers[claim.owner or "?"].append(claim)  # type: ignore[union-attr]
-        elif where == "failed":
-            failures.append(claim)
-    return Progress(
-        url=url, now=now, keys=len(keys), done=counts["done"], claimed=counts["claimed"],
-        failed=counts["failed"], left=counts["left"] + counts["expired"], expired=counts["expired"],
-        attempts=attempts,
-        workers=[WorkerProgress(owner=owner, claimed=len(held),
-                                since=min((c.claimed_at for c in held if c.claimed_at), default=None),
-                                heartbeat_at=max((c.heartbeat_at for c in held if c.heartbeat_at),
-                                                 default=None))
-                 for owner, held in sorted(workers.items())],
-        failures=failures,
-    )
 
 
 _CHUNK = 500  # keys per IN list, well under every backend's parameter limit
@@ -208,10 +178,9 @@ class Claims:
                     skipped_locked += 1
                     continue
                 before = Reader().claim(dict(locked))
-                # Read again under the lock: on PostgreSQL (read committed) each statement sees
-                # the latest commits, so a worker that finished this key after `stored` was read
-                # left a done row whose result the stale set would miss ("done but since
-                # pruned": claimable), and the key would be tuned twice.
+                # Read again under the lock: on PostgreSQL (read committed) a worker that finished
+                # this key after `stored` was read left a done row whose result the stale set would
+                # miss ("done but since pruned": claimable), and the key would be tuned twice.
                 now_stored = key in _stored(session, [key])
                 if standing(before, now_stored, now, run_started=run_started, force=force) not in CLAIMABLE:
                     skipped_locked += 1  # changed since we looked: somebody else's now
@@ -272,6 +241,22 @@ class Claims:
                 rows = list(_claim_rows(session, [key_text(k) for k in keys]).values())
             claims = {c.key: c for c in map(Reader().claim, rows) if c is not None}
             wanted = list(claims) if keys is None else list(keys)
-            return summarize(self.url, now, wanted, claims, _stored(session, wanted))
+            stored = _stored(session, wanted)
+            where = [standing(claims.get(key), key in stored, now) for key in wanted]
+            counts = Counter(where)
+            held: dict[str, list[ClaimInfo]] = defaultdict(list)
+            for key, at in zip(wanted, where):
+                if at == "claimed":
+                    held[claims[key].owner or "?"].append(claims[key])
+            return Progress(
+                url=self.url, now=now, keys=len(wanted), done=counts["done"], claimed=counts["claimed"],
+                failed=counts["failed"], left=counts["left"] + counts["expired"], expired=counts["expired"],
+                attempts=sum(claims[key].attempts for key in wanted if key in claims),
+                workers=[WorkerProgress(owner=owner, claimed=len(mine),
+                                        since=min((c.claimed_at for c in mine if c.claimed_at), default=None),
+                                        heartbeat_at=max((c.heartbeat_at for c in mine if c.heartbeat_at),
+                                                         default=None))
+                         for owner, mine in sorted(held.items())],
+                failures=[claims[key] for key, at in zip(wanted, where) if at == "failed"])
 
         return self._store.transaction(work, write=False)

@@ -1,8 +1,8 @@
 """The one place where rows become models, and records become rows.
 
 Rows are read as stored (timestamps as text: a value the driver cannot convert must not fail the
-query), each value given its column's type by :func:`stored_value`, then validated once, strictly,
-as the model that leaves the store.  A row that fails is a :class:`Damage`, never an exception.
+query), then validated once, strictly, as the model that leaves the store; a row that fails is a
+:class:`Damage`, never an exception.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from .schemas import CandidateResult, ClaimInfo, DeviceInfo, KernelBuildInfo, Tu
 
 
 def raw_columns(table: Table, prefix: str = "") -> list[ColumnElement]:
-    """``table``'s columns as stored, labelled ``prefix + name``: timestamps as text, the rest as the
-    driver gives them."""
+    """``table``'s columns as stored, labelled ``prefix + name``: timestamps as text."""
     return [(cast(c, Text) if isinstance(c.type, UTCDateTime) else type_coerce(c, NullType())).label(prefix + c.name)
             for c in table.columns]
 
@@ -39,10 +38,8 @@ _TIME = TypeAdapter(datetime)
 
 
 def stored_value(column: Any, value: Any) -> Any:
-    """A stored value as its column's Python type, or ``ValueError`` saying why it is not one: JSON
-    text parsed, timestamp text read (only the backends' form: pydantic would take '12345' as a Unix
-    time), SQLite's 0 and 1 made ``bool``, invalid UTF-8 (read back as surrogates) refused.  Types
-    and ranges are the models' to check."""
+    """A stored value as its column's Python type, or ``ValueError`` saying why it is not one.  Only
+    the backends' timestamp form is read: pydantic would take '12345' as a Unix time."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -51,11 +48,9 @@ def stored_value(column: Any, value: Any) -> Any:
     if value is None:
         return None
     if isinstance(column.type, UTCDateTime):
-        try:
+        with contextlib.suppress(ValidationError):
             if isinstance(value, str) and _TIMESTAMP.fullmatch(value.strip()):
                 return _TIME.validate_python(value.strip()).replace(tzinfo=timezone.utc)
-        except ValidationError:
-            pass
         raise ValueError("is not a timestamp")
     if isinstance(column.type, CanonicalJSON):
         try:
@@ -71,10 +66,9 @@ def stored_value(column: Any, value: Any) -> Any:
 
 def stored_time(value: Any) -> datetime | None:
     """A timestamp as :func:`raw_columns` reads it, aware UTC; ``None`` if it does not parse."""
-    try:
+    with contextlib.suppress(ValueError):
         return stored_value(RESULTS.c.created_at, value)
-    except ValueError:
-        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -134,7 +128,7 @@ class Reader:
     """The rows of one read as models: each damaged row recorded once, each parent decoded once."""
 
     def __init__(self, context: dict | None = None):
-        self.context = context  # the store's config type (see Store)
+        self.context = context
         self.damage: dict[tuple[str, Any], Damage] = {}
         self.parents: dict[tuple[str, Any], Any] = {}
 
@@ -160,7 +154,6 @@ class Reader:
 
     def record(self, raw: Mapping[str, Any], tables: Mapping[str, Mapping[Any, Any]],
                candidates: Sequence[Mapping[str, Any]]) -> TuningRecord | None:
-        """The record of a result row and its candidate rows, or ``None`` (and damage)."""
         measured = []
         for row in candidates:
             try:
@@ -354,17 +347,5 @@ def stale_build_ids(session: Session, current_build: str | Collection[str] | Non
 
 
 # The generation counter is never parsed: a damaged one costs a serving process at most one reload.
-_BUMP = update(GENERATION).where(GENERATION.c.id == 1).values(generation=GENERATION.c.generation + 1)
-_READ_GENERATION = select(type_coerce(GENERATION.c.generation, NullType())).where(GENERATION.c.id == 1)
-
-
-def bump_generation(session: Session) -> None:
-    """Add one to the counter, creating its row at 1.  Two first writers on PostgreSQL may both
-    insert; the loser fails with an IntegrityError, which the store retries (it then updates)."""
-    if session.execute(_BUMP).rowcount == 0:
-        session.execute(insert(GENERATION).values(id=1, generation=1))
-
-
-def read_generation(session: Session) -> Any:
-    """The stored counter as it is (``None`` when there is no row yet)."""
-    return session.execute(_READ_GENERATION).scalar()
+BUMP_GENERATION = update(GENERATION).where(GENERATION.c.id == 1).values(generation=GENERATION.c.generation + 1)
+READ_GENERATION = select(type_coerce(GENERATION.c.generation, NullType())).where(GENERATION.c.id == 1)

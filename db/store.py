@@ -1,8 +1,4 @@
-"""The tuning store: a database opened three ways, and its operations, each one short transaction.
-
-Rows that do not parse raise :class:`DamagedRows` (the command line) or are skipped with one
-:class:`DbWarning` (library callers, whose store never raises: it warns once and goes on in memory).
-"""
+"""The tuning store: a database opened three ways, and its operations, each one short transaction."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import platformdirs
-from sqlalchemy import Engine, delete, or_, select
+from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -28,7 +24,7 @@ from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_
                      is_memory_url, parse_target, stat_file)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
-from .rows import (Damage, bump_generation, device_is, find_for_write, key_conditions, read, read_generation,
+from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, key_conditions, read,
                    stale_build_ids, write_record)
 from .schemas import (REPAIR_HINT, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, DeviceStats,
                       ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult, StoreError,
@@ -131,8 +127,9 @@ class Store:
                 session = Session(bound, expire_on_commit=False, info={"context": self._context})
                 with guard, session, session.begin():
                     value = work(session)
-                    if bump:
-                        bump_generation(session)
+                    if bump and session.execute(BUMP_GENERATION).rowcount == 0:
+                        # Two first writers on PostgreSQL may both insert: the loser's IntegrityError is retried.
+                        session.execute(insert(GENERATION).values(id=1, generation=1))
                     return value
             except IntegrityError as exc:
                 attempt += 1
@@ -163,8 +160,7 @@ class Store:
         engine.dispose()
 
     def _check_file(self, watch: FileWatch) -> None:
-        # Is the file still the one opened?  If not: one warning, and the new file (when one
-        # replaced it and it opens) or memory.
+        # A file changed under us: one warning, and the new file (when one replaced it and it opens) or memory.
         change = watch.changed()
         if change is None:
             return
@@ -246,8 +242,7 @@ class Store:
         return next(iter(self._records(key_conditions(key))), None)
 
     def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, Config]:
-        """Every winner for one device and build, by ``TuningKey.choice_key``, as ``config_type``
-        (rows that do not parse left out, as ``on_damage`` says; candidates are not read)."""
+        """Every winner for one device and build, by ``TuningKey.choice_key`` (candidates are not read)."""
         records = self._records([*device_is(device), BUILDS.c.build_hash == build_hash], candidates=False)
         return {record.key.choice_key: record.winner for record in records}
 
@@ -271,9 +266,8 @@ class Store:
         return self._records(conditions, order_by=order)
 
     def stats(self, current_build: str | Collection[str] | None = None) -> StoreStats:
-        """Keys per device, mean speed-up of the winner over kv_split=1, times, and stale builds: those
-        not ``current_build`` (one hash or several), or when that is ``None``, every build but the
-        one with the most recently updated result."""
+        """Keys per device, mean speed-up of the winner over kv_split=1, times, and stale builds (as
+        :func:`~kvsplit.db.rows.stale_build_ids` says)."""
 
         def work(session: Session) -> tuple[StoreStats, list[Damage]]:
             found = read(session)
@@ -306,10 +300,10 @@ class Store:
     def generation(self) -> object:
         """The generation counter as stored (``None`` before the first write): it changes with every
         write of results, here or in any other process."""
-        return self.transaction(read_generation, write=False)
+        return self.transaction(lambda session: session.execute(READ_GENERATION).scalar(), write=False)
 
     def damage(self) -> list[Damage]:
-        """Every row that does not parse, and every row that cannot stand without one (never raises for them)."""
+        """Every row that does not parse, and every row that cannot stand without one."""
         return self.transaction(lambda session: read(session).damage, write=False)
 
     def check(self) -> None:
@@ -320,8 +314,8 @@ class Store:
 
     def repair(self, quarantine: Path | None = None, *, dry_run: bool = False) -> RepairResult:
         """Move every row that does not parse, and the rows that depend on it, to ``quarantine`` (JSON
-        lines with every stored value; default beside an SQLite file, else ``quarantine.jsonl`` in the
-        user cache directory), in one transaction: an ``OSError`` writing the file deletes nothing."""
+        lines; default beside an SQLite file, else in the user cache directory), in one transaction:
+        an ``OSError`` writing the file deletes nothing."""
         if quarantine is None and self._target is not None and self._target.path is not None:
             quarantine = self._target.path.with_name(self._target.path.name + ".quarantine.jsonl")
         target = Path(quarantine or Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl")
@@ -364,7 +358,7 @@ class Store:
         """Delete the results of stale builds (see :meth:`stats`), of every device but
         ``other_devices_than`` (a string matches part of a name and must match one, else
         ``ValueError``) or last updated longer ago than ``older_than``; devices and builds left
-        empty go too.  ``dry_run`` only reports."""
+        empty go too."""
         if not (stale_builds or other_devices_than is not None or older_than is not None):
             return PruneResult(keys=[], dry_run=dry_run)
 
@@ -402,8 +396,7 @@ class Store:
                        dry_run: bool = False) -> ImportSummary:
         """Merge records into the store, all or nothing, keeping their times: a stored key is replaced
         if ``rule`` is ``"replace"``, or ``"newer"`` and the incoming ``updated_at`` is strictly later.
-        A record that fails validation (``config_type`` too) or two of one key: ``ValueError``, nothing
-        written.  ``dry_run`` counts what would happen."""
+        A record that fails validation (``config_type`` too) or two of one key: ``ValueError``."""
         # A record changed with model_copy(update=...) was never validated: all are, again.
         records = [TuningRecord.model_validate(r.model_dump(), context=self._context)
                    for r in (source.records if isinstance(source, ExportFile) else source)]
@@ -464,7 +457,6 @@ def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = T
 
 
 def _guarded(engine: Engine, timeout_s: float, step: Callable[[], T]) -> T:
-    # A schema step; database failures become StoreError with the store's message.
     try:
         return step()
     except StoreError:
@@ -490,7 +482,7 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, 
     """Open the database ``url`` names (see :func:`~kvsplit.db.engine.parse_target`), creating or
     upgrading its schema (an upgrade warns once); any problem is a :class:`StoreError`.  ``timeout_s``:
     how long to wait for another process's lock, in seconds; ``create`` false: a missing file, memory
-    or a database without kvsplit tables is :class:`NoDatabase`; ``on_damage``: see :class:`Store`."""
+    or a database without kvsplit tables is :class:`NoDatabase`."""
     engine, target = _ready_engine(url, timeout_s, create=create)
     return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)
 
@@ -499,7 +491,7 @@ def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT
                            config_type: type[Config] = Config) -> Store:
     """:func:`open_store` for a library caller, which never raises for a database problem: one
     :class:`DbWarning` and memory instead, now or later; rows that do not parse are skipped with
-    one warning; an SQLite file is watched (see :class:`Store`)."""
+    one warning; an SQLite file is watched."""
     try:
         # No SQLite connection kept between transactions: an idle serving process then maps
         # nothing of the file's -shm index, which would be SIGBUS once the file is made immutable.

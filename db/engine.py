@@ -1,9 +1,5 @@
 """Where the database is and how to reach it: the one reading of ``--db`` / ``KVSPLIT_DB``,
-the engine made from it, failures named for people, and the watch on a serving process's file.
-
-A value is a URL only when it starts with a scheme; anything else is the path of an SQLite file,
-taken literally and made absolute as the SQLite driver does.  Every problem is a :class:`BadTarget`.
-"""
+the engine made from it, failures named for people, and the watch on a serving process's file."""
 
 from __future__ import annotations
 
@@ -68,8 +64,6 @@ class Target:
 
 def visible(text: str) -> str:
     """``text`` on one line: control and other unprintable characters as escapes (``\\n``, ``\\x00``)."""
-    if text.isprintable():
-        return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
                    for c in text)
 
@@ -89,7 +83,8 @@ def shown_as_given(value: str) -> str:
 
 def parse_target(value: str | None = None) -> Target:
     """The database that ``value`` names, else ``$KVSPLIT_DB``, else ``tuning.sqlite`` in the user
-    cache directory (an empty string counts as not given); :class:`BadTarget` if there is none."""
+    cache directory; :class:`BadTarget` if there is none.  A value is a URL only when it starts with
+    a scheme; anything else is an SQLite file's path, taken literally and made absolute as the driver does."""
     given = value or os.environ.get(ENV_VAR) or None
     if given is None:
         path = Path(platformdirs.user_cache_dir("kvsplit")) / "tuning.sqlite"
@@ -160,8 +155,8 @@ def _from_url(given: str) -> Target:
 
 
 def stat_file(target: Target) -> os.stat_result | None:
-    """``os.stat`` of the target's SQLite file; ``None`` when there is none.  A path that cannot
-    name a file here (too long, a loop of links, no permission) is a :class:`BadTarget`."""
+    """``os.stat`` of the target's SQLite file; ``None`` when there is none, :class:`BadTarget` when
+    the path cannot name a file here (too long, a loop of links, no permission)."""
     try:
         return os.stat(target.path)
     except FileNotFoundError:
@@ -172,7 +167,6 @@ def stat_file(target: Target) -> os.stat_result | None:
                         f"--db / KVSPLIT_DB") from None
 
 
-# The name each engine's database goes by in messages: its target as the user wrote it.
 _NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
 
@@ -189,8 +183,7 @@ def is_memory_url(url: URL) -> bool:
 
 def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
     """An engine for ``target`` (a string is read by :func:`parse_target`), or a :class:`StoreError`.
-    ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds; ``pooled``
-    false: an SQLite file's connections close after each transaction."""
+    ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds."""
     if not isinstance(target, Target):
         target = parse_target(target)
     shown, url = target.shown, target.url

@@ -188,13 +188,9 @@ class Store:
     def _reopen(self) -> tuple[Engine | None, str | None]:
         try:
             engine = create_db_engine(self._target, timeout_s=self._timeout_s, pooled=False)
+            _guarded(engine, self._timeout_s, lambda: ensure_schema(engine))
         except StoreError as exc:
             return None, str(exc)
-        try:
-            ensure_schema(engine)
-        except (StoreError, SQLAlchemyError, OSError, ValueError) as exc:
-            engine.dispose()
-            return None, str(exc) if isinstance(exc, StoreError) else describe_error(exc, self.url, self._timeout_s)
         return engine, None
 
     def _read(self, work: Callable[[Session], tuple[T, list[Damage]]], **options: Any) -> T:
@@ -215,11 +211,9 @@ class Store:
                           f"({listed(new)}); {REPAIR_HINT}", DbWarning, stacklevel=3)
 
     def _records(self, where: list, **options: Any) -> list[TuningRecord]:
-        def work(session: Session) -> tuple[list[TuningRecord], list[Damage]]:
-            found = read(session, where, **options)
-            return list(found.records.values()), found.damage
-
-        return self._read(work)
+        found = self.transaction(lambda session: read(session, where, **options), write=False)
+        self._report(found.damage)
+        return list(found.records.values())
 
     def upsert(self, record: TuningRecord) -> None:
         """Insert ``record``, or replace the result and candidates stored for its key (``updated_at``

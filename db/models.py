@@ -14,8 +14,7 @@ from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Te
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-#: The columns of a result's key, in ``ChoiceKey`` order after the device and build.
-KEY_COLUMNS = ("device_id", "build_id", "head_dim", "partial_dtype", "out_dtype", "stats_format", "num_splits", "rows")
+from .schemas import CHOICE_FIELDS
 
 
 def canonical_json(value: Any) -> str:
@@ -74,7 +73,7 @@ class TuningResult(Base):
     """The winner for one key, with the policy that chose it."""
 
     __tablename__ = "tuning_results"
-    __table_args__ = (UniqueConstraint(*KEY_COLUMNS, name="uq_tuning_results_key"),)
+    __table_args__ = (UniqueConstraint("device_id", "build_id", *CHOICE_FIELDS, name="uq_tuning_results_key"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     device_id: Mapped[int] = mapped_column(

@@ -22,9 +22,8 @@ from sqlalchemy import (Boolean, ColumnElement, Select, Table, Text, bindparam, 
 from sqlalchemy.orm import Session
 from sqlalchemy.types import NullType
 
-from .models import (BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, KEY_COLUMNS, RESULTS, TABLES, CanonicalJSON,
-                     UTCDateTime)
-from .schemas import CandidateResult, ClaimInfo, DeviceInfo, KernelBuildInfo, TuningKey, TuningRecord
+from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES, CanonicalJSON, UTCDateTime
+from .schemas import CHOICE_FIELDS, CandidateResult, ClaimInfo, DeviceInfo, KernelBuildInfo, TuningKey, TuningRecord
 
 
 def raw_columns(table: Table, prefix: str = "") -> list[ColumnElement]:
@@ -168,7 +167,7 @@ class Reader:
             device = self.parent(DEVICES, tables[DEVICES.name].get(r["device_id"]), r["device_id"])
             build = self.parent(BUILDS, tables[BUILDS.name].get(r["build_id"]), r["build_id"])
             return validated(TuningRecord, {
-                "key": {"device": device, "build_hash": build.build_hash, **{k: r[k] for k in KEY_COLUMNS[2:]}},
+                "key": {"device": device, "build_hash": build.build_hash, **{k: r[k] for k in CHOICE_FIELDS}},
                 "winner": {"family": r["winner_family"], "params": r["winner_params"]},
                 "policy": {k: r[k] for k in ("l2_state", "repeats", "noise_margin")},
                 "candidates": measured, **{k: r[k] for k in ("tool_version", "created_at", "updated_at")},
@@ -263,7 +262,7 @@ def device_is(device: DeviceInfo | str) -> list[ColumnElement[bool]]:
 def key_conditions(key: TuningKey) -> list[ColumnElement[bool]]:
     """Conditions on a result row (joined to its device and build) that pick ``key``."""
     return [*device_is(key.device), BUILDS.c.build_hash == key.build_hash,
-            *(RESULTS.c[k] == getattr(key, k) for k in KEY_COLUMNS[2:])]
+            *(RESULTS.c[k] == getattr(key, k) for k in CHOICE_FIELDS)]
 
 
 class StoredTimes(NamedTuple):
@@ -282,7 +281,7 @@ _FIND_FOR_WRITE = (
     .join(DEVICES, RESULTS.c.device_id == DEVICES.c.id)
     .join(BUILDS, RESULTS.c.build_id == BUILDS.c.id)
     .where(*_DEVICE_MATCH, BUILDS.c.build_hash == bindparam("build_hash"),
-           *(RESULTS.c[name] == bindparam(name) for name in KEY_COLUMNS[2:]))
+           *(RESULTS.c[name] == bindparam(name) for name in CHOICE_FIELDS))
     # A concurrent re-tune of the key on PostgreSQL waits, then sees the other's candidates.
     .with_for_update(of=RESULTS)
 )

@@ -56,8 +56,7 @@ class DamagedRows(StoreError):
 
 
 class DbWarning(UserWarning):
-    """A database problem that did not stop the caller: an upgrade in place, a fall-back to memory,
-    skipped rows."""
+    """A database problem that did not stop the caller: an upgrade, a fall-back to memory, skipped rows."""
 
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -101,11 +100,8 @@ Time = Annotated[datetime | None, AfterValidator(_utc)]
 
 
 class Config:
-    """A kernel config as data: a family name and its positive integer parameters.
-
-    Immutable and hashable; equal to any config (a subclass included) of the
-    same family and parameters.  Stored as ``{"family": ..., "params": {...}}``.
-    """
+    """A kernel config as data: a family name and its positive integer parameters; immutable, and
+    equal to any config (a subclass included) of the same family and parameters."""
 
     __slots__ = ("family", "_params", "_hash")
 
@@ -197,7 +193,8 @@ class KernelBuildInfo(_Model, frozen=True):
 
 
 ChoiceKey = tuple[int, str, str, str, int, int]
-_CHOICE_FIELDS = ("head_dim", "partial_dtype", "out_dtype", "stats_format", "num_splits", "rows")
+#: A key's fields after the device and build: a result's key columns, and :attr:`TuningKey.choice_key`.
+CHOICE_FIELDS = ("head_dim", "partial_dtype", "out_dtype", "stats_format", "num_splits", "rows")
 
 
 class TuningKey(_Model, frozen=True):
@@ -214,14 +211,13 @@ class TuningKey(_Model, frozen=True):
 
     @property
     def shape_label(self) -> str:
-        """The key's shape with each value named (messages and logs)."""
-        return " ".join(f"{name}={getattr(self, name)}" for name in _CHOICE_FIELDS)
+        """The key's shape with each value named, for messages."""
+        return " ".join(f"{name}={getattr(self, name)}" for name in CHOICE_FIELDS)
 
     @property
     def choice_key(self) -> ChoiceKey:
-        """The key of :meth:`Store.load_choices`: ``(head_dim, partial_dtype, out_dtype, stats_format,
-        num_splits, rows)``."""
-        return tuple(getattr(self, name) for name in _CHOICE_FIELDS)  # type: ignore[return-value]
+        """The key of :meth:`Store.load_choices`: the values of :data:`CHOICE_FIELDS`."""
+        return tuple(getattr(self, name) for name in CHOICE_FIELDS)  # type: ignore[return-value]
 
 
 class TuningPolicy(_Model):
@@ -246,7 +242,6 @@ class CandidateResult(_Model):
 
     @property
     def failed(self) -> bool:
-        """Whether it raised instead of running (never timed)."""
         return self.samples == 0
 
     @model_validator(mode="after")
@@ -339,9 +334,8 @@ class PruneResult(_Model):
 
 
 class RepairResult(_Model):
-    """What ``repair`` did (or would do): rows quarantined per table (those that do not parse and
-    those that cannot stand without them), one problem line per row that does not parse itself,
-    one line per repair of the schema."""
+    """What ``repair`` did (or would do): rows quarantined per table, one problem line per row that
+    does not parse itself, one line per repair of the schema."""
 
     dry_run: bool
     quarantined: dict[str, int]
@@ -426,11 +420,8 @@ class WorkerProgress(_Model):
 
 
 class Progress(_Model):
-    """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``.
-
-    ``done``: a result is stored; ``claimed``: a live lease; ``failed``: the last attempt failed
-    (``failures`` say why); ``left``: the rest, ``expired`` claims included (claimable).
-    """
+    """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``, with
+    ``expired`` claims among those ``left`` (see :func:`kvsplit.db.claims.standing`)."""
 
     url: str
     now: datetime

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from pathlib import Path
@@ -50,11 +51,9 @@ def current_revision(conn: Connection) -> str | None:
 
 
 def _check_known(revision: str | None, shown: str) -> None:
-    try:
+    with contextlib.suppress(CommandError):
         if revision is None or _scripts().get_revision(revision) is not None:
             return
-    except CommandError:
-        pass
     raise SchemaTooNew(f"{shown}: the database has schema revision {revision!r}, newer than this kvsplit knows "
                        f"(up to {head_revision()!r}); upgrade kvsplit, or use another database with --db / "
                        f"KVSPLIT_DB", revision)

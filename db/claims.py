@@ -1,7 +1,7 @@
 """Claims: workers on any number of hosts share one grid through the database, with no coordinator.
 
 A claim locks its row (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite);
-the result and the end of the claim are one transaction.  Times are the database server's clock.
+the result and the end of the claim are one transaction; times are the database server's clock.
 """
 
 from __future__ import annotations
@@ -109,15 +109,15 @@ def _register(session: Session, texts: Sequence[str]) -> None:
     dialect_insert = _INSERTS.get(session.get_bind().dialect.name)
     # One order for every worker: concurrent inserts of the same keys then wait, never deadlock.
     missing = sorted(texts)
-    if dialect_insert is None:
+    if dialect_insert is None:  # a unique-key race raises IntegrityError: the store retries
         present = _claim_rows(session, missing)
         missing = [t for t in missing if t not in present]
+        statement = insert(CLAIMS)
+    else:
+        statement = dialect_insert(CLAIMS).on_conflict_do_nothing(index_elements=["key"])
     for start in range(0, len(missing), _CHUNK):
-        values = [{"key": json.loads(t), "state": "open", "attempts": 0} for t in missing[start:start + _CHUNK]]
-        if dialect_insert is None:  # a unique-key race raises IntegrityError: the store retries
-            session.execute(insert(CLAIMS), values)
-        else:
-            session.execute(dialect_insert(CLAIMS).on_conflict_do_nothing(index_elements=["key"]), values)
+        session.execute(statement, [{"key": json.loads(t), "state": "open", "attempts": 0}
+                                    for t in missing[start:start + _CHUNK]])
 
 
 def _stored(session: Session, keys: Iterable[TuningKey]) -> set[TuningKey]:

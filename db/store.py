@@ -24,11 +24,11 @@ from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_
                      is_memory_url, parse_target, stat_file)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
-from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, key_conditions, read,
-                   stale_build_ids, write_record)
-from .schemas import (REPAIR_HINT, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, DeviceStats,
-                      ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult, StoreError,
-                      StoreStats, TuningKey, TuningRecord, listed, tool_version)
+from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
+                   write_record)
+from .schemas import (CHOICE_FIELDS, REPAIR_HINT, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo,
+                      DeviceStats, ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult,
+                      StoreError, StoreStats, TuningKey, TuningRecord, listed, tool_version)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
@@ -233,7 +233,9 @@ class Store:
 
     def get(self, key: TuningKey) -> TuningRecord | None:
         """The record stored for ``key``, or ``None``."""
-        return next(iter(self._records(key_conditions(key))), None)
+        where = [*device_is(key.device), BUILDS.c.build_hash == key.build_hash,
+                 *(RESULTS.c[k] == getattr(key, k) for k in CHOICE_FIELDS)]
+        return next(iter(self._records(where)), None)
 
     def load_choices(self, device: DeviceInfo, build_hash: str) -> dict[ChoiceKey, Config]:
         """Every winner for one device and build, by ``TuningKey.choice_key`` (candidates are not read)."""
@@ -275,19 +277,17 @@ class Store:
             devices = []
             for device, recs in sorted(per_device.items(), key=lambda item: item[0].label):
                 speedups = [s for s in (r.speedup for r in recs) if s is not None]
-                oldest, newest = _span(recs)
                 devices.append(DeviceStats(device=device, keys=len(recs), max_speedup=max(speedups, default=None),
                                            mean_speedup=sum(speedups) / len(speedups) if speedups else None,
-                                           oldest=oldest, newest=newest))
+                                           **_span(recs)))
             versions = sorted({b.build_hash: b.library_version for b in found.builds.values()}.items())
-            overall = _span(records)
             named = (current_build if current_build is None or isinstance(current_build, str)
                      else ",".join(sorted(current_build)))
             return StoreStats(
                 url=self.url, keys=len(records), devices=devices, current_build=named,
                 builds=[BuildStats(build_hash=h, library_version=v, keys=len(per_build[h]),
-                                   newest=_span(per_build[h])[1], stale=h in stale) for h, v in versions],
-                oldest=overall[0], newest=overall[1]), found.damage
+                                   newest=_span(per_build[h])["newest"], stale=h in stale) for h, v in versions],
+                **_span(records)), found.damage
 
         return self._read(work)
 
@@ -416,9 +416,9 @@ class Store:
         return self.transaction(work, write=not dry_run, bump=not dry_run)
 
 
-def _span(records: list[TuningRecord]) -> tuple[datetime | None, datetime | None]:
+def _span(records: list[TuningRecord]) -> dict[str, datetime | None]:
     times = [r.updated_at for r in records if r.updated_at is not None]
-    return (min(times), max(times)) if times else (None, None)
+    return {"oldest": min(times, default=None), "newest": max(times, default=None)}
 
 
 def _json_safe(value: Any) -> Any:

@@ -1,12 +1,8 @@
 """The kvsplit tuning database: which config won for which key, and how every candidate measured,
 in any SQLAlchemy database (SQLite in the user cache directory by default).
 
-Everything returned is a pydantic model of :mod:`.schemas`; rows stay inside.  SQLAlchemy and
-Alembic load at the store's first use, not with the package::
-
-    from kvsplit.db import open_store_for_library
-    store = open_store_for_library()          # never raises; warns and uses memory
-    choices = store.load_choices(device, build_hash)
+Everything returned is a pydantic model of :mod:`.schemas`; SQLAlchemy and Alembic load at the
+store's first use (:data:`_STORE_SIDE`), not with the package.
 """
 
 import importlib

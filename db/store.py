@@ -131,19 +131,15 @@ class Store:
                         # Two first writers on PostgreSQL may both insert: the loser's IntegrityError is retried.
                         session.execute(insert(GENERATION).values(id=1, generation=1))
                     return value
-            except IntegrityError as exc:
-                attempt += 1
-                if write and attempt < _WRITE_ATTEMPTS:
-                    log.debug("write conflict, retrying: %s", exc.orig)
-                    continue
-                self._failed(exc, engine)
-            except SQLAlchemyError as exc:
-                self._failed(exc, engine)
             except StoreError:
                 raise
             except Exception as exc:
-                if not self._fallback:  # a library caller's merge must go on whatever the database holds
-                    raise
+                if isinstance(exc, IntegrityError) and write and attempt < _WRITE_ATTEMPTS - 1:
+                    attempt += 1
+                    log.debug("write conflict, retrying: %s", exc.orig)
+                    continue
+                if not (self._fallback or isinstance(exc, SQLAlchemyError)):
+                    raise  # only a library caller's merge must go on whatever the database holds
                 self._failed(exc, engine)
 
     def _failed(self, exc: Exception, engine: Engine) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
@@ -123,6 +123,13 @@ def validated(model: Any, data: Any, context: dict | None = None) -> Any:
         raise Unparsable(f"{where}{' ' if message.startswith('is ') else ': '}{message}{stored}") from None
 
 
+def _candidate(values: dict[str, Any]) -> dict[str, Any]:
+    # A candidate row's values as CandidateResult's data: its family and params are its config.
+    config = {"family": values.pop("family"), "params": values.pop("params")}
+    del values["result_id"]
+    return {"config": config, **values}
+
+
 class Reader:
     """The rows of one read as models: each damaged row recorded once, each parent decoded once."""
 
@@ -134,6 +141,15 @@ class Reader:
     def hurt(self, table: Table, raw: Mapping[str, Any], problem: str) -> None:
         self.damage.setdefault((table.name, raw["id"]), Damage(table.name, raw["id"], problem, dict(raw)))
 
+    def parsed(self, table: Table, raw: Mapping[str, Any], model: Any,
+               shape: Callable[[dict[str, Any]], Any] = dict) -> Any:
+        """The row as ``model`` (``shape`` makes its values the model's data), or ``None`` and its damage."""
+        try:
+            return validated(model, shape(_values(table, raw)), self.context)
+        except Unparsable as bad:
+            self.hurt(table, raw, str(bad))
+            return None
+
     def parent(self, table: Table, raw: Mapping[str, Any] | None, row_id: Any) -> Any:
         """The device or build of a result, or :class:`Unparsable` saying why the result cannot use it."""
         if raw is None:
@@ -141,48 +157,29 @@ class Reader:
             raise Unparsable(f"{column} {shown(row_id)} names no {table.name} row")
         where = (table.name, row_id)
         if where not in self.parents:
-            try:
-                model = DeviceInfo if table is DEVICES else KernelBuildInfo
-                self.parents[where] = validated(model, _values(table, raw))
-            except Unparsable as bad:
-                self.hurt(table, raw, str(bad))
-                self.parents[where] = None
+            self.parents[where] = self.parsed(table, raw, DeviceInfo if table is DEVICES else KernelBuildInfo)
         if self.parents[where] is None:
             raise Unparsable(f"its {table.name} row (id {row_id}) does not parse")
         return self.parents[where]
 
     def record(self, raw: Mapping[str, Any], tables: Mapping[str, Mapping[Any, Any]],
                candidates: Sequence[Mapping[str, Any]]) -> TuningRecord | None:
-        measured = []
-        for row in candidates:
-            try:
-                c = _values(CANDIDATES, row)
-                config = {"family": c.pop("family"), "params": c.pop("params")}
-                del c["result_id"]
-                measured.append(validated(CandidateResult, {"config": config, **c}, self.context))
-            except Unparsable as bad:
-                self.hurt(CANDIDATES, row, str(bad))
-        try:
-            r = _values(RESULTS, raw)
+        measured = [self.parsed(CANDIDATES, row, CandidateResult, _candidate) for row in candidates]
+
+        def shape(r: dict[str, Any]) -> dict[str, Any]:
             device = self.parent(DEVICES, tables[DEVICES.name].get(r["device_id"]), r["device_id"])
             build = self.parent(BUILDS, tables[BUILDS.name].get(r["build_id"]), r["build_id"])
-            return validated(TuningRecord, {
-                "key": {"device": device, "build_hash": build.build_hash, **{k: r[k] for k in CHOICE_FIELDS}},
-                "winner": {"family": r["winner_family"], "params": r["winner_params"]},
-                "policy": {k: r[k] for k in ("l2_state", "repeats", "noise_margin")},
-                "candidates": measured, **{k: r[k] for k in ("tool_version", "created_at", "updated_at")},
-            }, self.context)
-        except Unparsable as bad:
-            self.hurt(RESULTS, raw, str(bad))
-            return None
+            return {"key": {"device": device, "build_hash": build.build_hash, **{k: r[k] for k in CHOICE_FIELDS}},
+                    "winner": {"family": r["winner_family"], "params": r["winner_params"]},
+                    "policy": {k: r[k] for k in ("l2_state", "repeats", "noise_margin")},
+                    "candidates": [c for c in measured if c is not None],
+                    **{k: r[k] for k in ("tool_version", "created_at", "updated_at")}}
+
+        return self.parsed(RESULTS, raw, TuningRecord, shape)
 
     def claim(self, raw: Mapping[str, Any] | None) -> ClaimInfo | None:
         """A claim row, or ``None`` for no row or one that does not parse (claimable: it is overwritten)."""
-        try:
-            return None if raw is None else validated(ClaimInfo, _values(CLAIMS, raw))
-        except Unparsable as bad:
-            self.hurt(CLAIMS, raw, str(bad))
-            return None
+        return None if raw is None else self.parsed(CLAIMS, raw, ClaimInfo)
 
 
 # Outer joins: a result whose device_id or build_id names no row still shows.

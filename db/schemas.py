@@ -383,15 +383,12 @@ class StoreStats(_Model):
     newest: datetime | None
 
 
-ClaimState = Literal["open", "claimed", "done", "failed"]
-
-
 class ClaimInfo(_Model):
     """One key of a fleet's grid as the claims table holds it (server clock times; a ``claimed``
     claim past ``expires_at`` may be taken over)."""
 
     key: TuningKey
-    state: ClaimState
+    state: Literal["open", "claimed", "done", "failed"]
     owner: Text | None = Field(default=None, min_length=1, max_length=255)
     attempts: Count
     claimed_at: Time = None

@@ -1,16 +1,10 @@
-"""First schema: results and candidates store an integer kv_split.
-
-Revision ID: 0001
-Revises:
-"""
+"""First schema: results and candidates store an integer kv_split."""
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def _create(name: str, columns: dict, *constraints: sa.Constraint) -> None:

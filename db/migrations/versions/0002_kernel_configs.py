@@ -2,9 +2,6 @@
 
 Existing rows become family 'kvsplit' with params {"kv_split": K}.  The params
 text is canonical JSON (sorted keys, no spaces), the form the ORM writes.
-
-Revision ID: 0002
-Revises: 0001
 """
 
 import sqlalchemy as sa
@@ -12,8 +9,6 @@ from alembic import op
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 # Per table: the integer column, the family and params columns, and the candidates' unique
 # constraint before and after (results have none of their own).

@@ -1,18 +1,12 @@
 """Fleet tuning: claims with leases, and the generation counter serving processes poll.
 
-Both tables start empty; the counter row appears with the first write.
-
-Revision ID: 0003
-Revises: 0002
-"""
+Both tables start empty; the counter row appears with the first write."""
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -109,20 +109,6 @@ def _values(table: Table, raw: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def validated(model: Any, data: Any, context: dict | None = None) -> Any:
-    """``model`` validated strictly from ``data``, or :class:`Unparsable` naming why."""
-    try:
-        return model.model_validate(data, strict=True, context=context)
-    except TypeError as error:  # a config type's check that met a stranger value
-        raise Unparsable(f"{model.__name__}: {error}") from None
-    except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"]) or model.__name__
-        message = first["msg"].removeprefix("Value error, ")
-        stored = "" if isinstance(first["input"], (dict, BaseModel)) else f" (stored {shown(first['input'])})"
-        raise Unparsable(f"{where}{' ' if message.startswith('is ') else ': '}{message}{stored}") from None
-
-
 def _candidate(values: dict[str, Any]) -> dict[str, Any]:
     # A candidate row's values as CandidateResult's data: its family and params are its config.
     config = {"family": values.pop("family"), "params": values.pop("params")}
@@ -143,12 +129,22 @@ class Reader:
 
     def parsed(self, table: Table, raw: Mapping[str, Any], model: Any,
                shape: Callable[[dict[str, Any]], Any] = dict) -> Any:
-        """The row as ``model`` (``shape`` makes its values the model's data), or ``None`` and its damage."""
+        """The row as ``model``, validated strictly (``shape`` makes its values the model's data), or
+        ``None`` and its damage: the first problem, with the column or field it is in."""
         try:
-            return validated(model, shape(_values(table, raw)), self.context)
+            return model.model_validate(shape(_values(table, raw)), strict=True, context=self.context)
         except Unparsable as bad:
-            self.hurt(table, raw, str(bad))
-            return None
+            problem = str(bad)
+        except TypeError as error:  # a config type's check that met a stranger value
+            problem = f"{model.__name__}: {error}"
+        except ValidationError as error:
+            first = error.errors(include_url=False)[0]
+            where = ".".join(str(part) for part in first["loc"]) or model.__name__
+            message = first["msg"].removeprefix("Value error, ")
+            stored = "" if isinstance(first["input"], (dict, BaseModel)) else f" (stored {shown(first['input'])})"
+            problem = f"{where}{' ' if message.startswith('is ') else ': '}{message}{stored}"
+        self.hurt(table, raw, problem)
+        return None
 
     def parent(self, table: Table, raw: Mapping[str, Any] | None, row_id: Any) -> Any:
         """The device or build of a result, or :class:`Unparsable` saying why the result cannot use it."""

@@ -40,19 +40,16 @@ class SchemaDamaged(StoreError):
 REPAIR_HINT = "run `kvsplit db repair` to move them to a quarantine file (`--dry-run` lists them first)"
 
 
-def listed(items: list, shown: int = 3) -> str:
-    """The first ``shown`` items, and how many more."""
-    text = "; ".join(str(item) for item in items[:shown])
-    return text + (f"; and {len(items) - shown} more" if len(items) > shown else "")
-
-
 class DamagedRows(StoreError):
-    """Rows that do not parse; ``damage`` holds one ``kvsplit.db.rows.Damage`` (table, id, problem) each."""
+    """Rows that do not parse; ``damage`` holds one ``kvsplit.db.rows.Damage`` (table, id, problem) each.
+    Its message (how many, the first three, the remedy) is also the warning of a store that skips them."""
 
     def __init__(self, url: str, damage: list) -> None:
         self.damage = list(damage)
-        rows = "row does" if len(self.damage) == 1 else "rows do"
-        super().__init__(f"{url}: {len(self.damage)} {rows} not parse ({listed(self.damage)}); {REPAIR_HINT}")
+        count = len(self.damage)
+        first = "; ".join(map(str, self.damage[:3])) + (f"; and {count - 3} more" if count > 3 else "")
+        rows = "row does" if count == 1 else "rows do"
+        super().__init__(f"{url}: {count} {rows} not parse ({first}); {REPAIR_HINT}")
 
 
 class DbWarning(UserWarning):

@@ -26,9 +26,9 @@ from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
                    write_record)
-from .schemas import (CHOICE_FIELDS, REPAIR_HINT, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo,
+from .schemas import (CHOICE_FIELDS, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo,
                       DeviceStats, ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult,
-                      StoreError, StoreStats, TuningKey, TuningRecord, listed, tool_version)
+                      StoreError, StoreStats, TuningKey, TuningRecord, tool_version)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
@@ -202,9 +202,8 @@ class Store:
         new = [d for d in damage if d.where not in self._warned]
         if new:
             self._warned.update(d.where for d in new)
-            rows = "row that does" if len(new) == 1 else "rows that do"
-            warnings.warn(f"kvsplit tuning database {self.url}: skipped {len(new)} {rows} not parse "
-                          f"({listed(new)}); {REPAIR_HINT}", DbWarning, stacklevel=3)
+            warnings.warn(f"kvsplit skipped rows of the tuning database {DamagedRows(self.url, new)}", DbWarning,
+                          stacklevel=3)
 
     def _records(self, where: list, **options: Any) -> list[TuningRecord]:
         found = self.transaction(lambda session: read(session, where, **options), write=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import platformdirs
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
 from sqlalchemy.util import asbool
 
@@ -27,9 +27,10 @@ DEFAULT_TIMEOUT_S = 30.0
 #: Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE.
 WRITE_OPTION = "kvsplit_write"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# A URL's user, then ":" and the password up to the authority's last "@".
+_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/]*):[^/]*@")
 _EXAMPLES = ("give an SQLite file path, or a URL such as sqlite:////abs/path/tuning.sqlite or "
              "postgresql+psycopg://user@host/db")
-_URL_EXAMPLES = "give an SQLAlchemy URL such as sqlite:///path/tuning.sqlite or postgresql+psycopg://user@host/db"
 
 
 def _isolation_level(value: str) -> str:
@@ -69,16 +70,9 @@ def visible(text: str) -> str:
 
 
 def shown_as_given(value: str) -> str:
-    """``value`` (of --db or KVSPLIT_DB) as messages show it, even when it names nothing usable."""
-    if not _SCHEME.match(value):
-        return visible(value)
-    # The password of a URL, even of one that does not parse, never reaches a message.
-    scheme, _, rest = value.partition("://")
-    authority, slash, tail = rest.partition("/")
-    user_info, at, host = authority.rpartition("@")
-    if at and ":" in user_info:
-        user_info = user_info.split(":", 1)[0] + ":***"
-    return visible(f"{scheme}://{user_info}{at}{host}{slash}{tail}")
+    """``value`` (of --db or KVSPLIT_DB) as messages show it, even when it names nothing usable: the
+    password of a URL, even of one that does not parse, masked."""
+    return visible(_PASSWORD.sub(r"\1:***@", value))
 
 
 def parse_target(value: str | None = None) -> Target:
@@ -206,15 +200,13 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
                 if "options" not in url.query:
                     connect_args["options"] = "-c DateStyle=ISO"
             engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
-    except NoSuchModuleError as exc:
-        raise BadTarget(f"bad database URL {shown!r}: {exc}; {_URL_EXAMPLES}") from exc
     except ImportError as exc:  # the dialect is known but its driver is missing: not the URL's fault
         driver = f"{url.get_backend_name()}+{url.get_driver_name()}"
         package = _DRIVER_PACKAGES.get(exc.name or "", exc.name)
         hint = f"pip install {package}" if package else "install the driver"
         raise StoreError(f"{shown}: the database driver for {driver} is not installed ({exc}); {hint}") from exc
-    except (ArgumentError, ValueError) as exc:
-        raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; {_URL_EXAMPLES}") from exc
+    except (ArgumentError, ValueError) as exc:  # an unknown dialect or driver (NoSuchModuleError) among them
+        raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; {_EXAMPLES}") from exc
     except OSError as exc:
         raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
     _NAMES[engine] = shown

@@ -238,35 +238,37 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
 
 
-# What the driver's message holds (case aside) -> what to tell people: {text} is that message,
-# {table} a missing table's name, {elsewhere} the way to another database.
-_PROBLEMS = (
-    (r"database (?:table )?is locked", "database is locked (another process held it for more than {timeout:g} s); "
-                                       "try again once that process is done"),
-    (r"not a database|malformed|corrupt", "the file is corrupt or not an SQLite database ({text}); move it away "
-                                          "(kvsplit then starts a new one) {elsewhere}"),
-    (r"read-?only", "the database is read-only ({text}); make the file and its directory writable {elsewhere}"),
-    (r"unable to open database file", "cannot open the database file: missing directory or no permission ({text}); "
-                                      "check the path and its permissions"),
-    (r'no such table: (\w+)|relation "(\w+)" does not exist',
-     "the table {table} is missing; run `kvsplit db repair` to recreate it"),
-    (r"authentication failed", "the server refused the login ({text}); check the user and password in the URL"),
-    (r"database.*does not exist|does not exist.*database", "{text}; create that database on the server or fix the URL"),
-    (r"connection|could not|timeout|timed out", "cannot reach the database server ({text}); check that it is "
-                                                "running and that the host, port and database in the URL are right"),
-)
+_MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')
 
 
 def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """One line for people: what is wrong with the database ``shown``, and what to do."""
     orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     text = visible(str(orig).strip().splitlines()[0]) if str(orig).strip() else type(orig).__name__
+    low = text.lower()
     elsewhere = "or use another database with --db / KVSPLIT_DB"
-    for pattern, remedy in _PROBLEMS:
-        found = re.search(pattern, text, re.IGNORECASE)
-        if found:
-            table = next((name for name in found.groups() if name), None)
-            return f"{shown}: " + remedy.format(text=text, table=table, timeout=timeout_s, elsewhere=elsewhere)
+    if "database is locked" in low or "database table is locked" in low:
+        return (f"{shown}: database is locked (another process held it for more than {timeout_s:g} s); "
+                f"try again once that process is done")
+    if "not a database" in low or "malformed" in low or "corrupt" in low:
+        return (f"{shown}: the file is corrupt or not an SQLite database ({text}); move it away "
+                f"(kvsplit then starts a new one) {elsewhere}")
+    if "readonly" in low or "read-only" in low:
+        return f"{shown}: the database is read-only ({text}); make the file and its directory writable {elsewhere}"
+    if "unable to open database file" in low:
+        return (f"{shown}: cannot open the database file: missing directory or no permission ({text}); "
+                f"check the path and its permissions")
+    missing = _MISSING_TABLE.search(text)
+    if missing:
+        table = missing.group(1) or missing.group(2)
+        return f"{shown}: the table {table} is missing; run `kvsplit db repair` to recreate it"
+    if "authentication failed" in low:
+        return f"{shown}: the server refused the login ({text}); check the user and password in the URL"
+    if "does not exist" in low and "database" in low:
+        return f"{shown}: {text}; create that database on the server or fix the URL"
+    if "connection" in low or "could not" in low or "timeout" in low or "timed out" in low:
+        return (f"{shown}: cannot reach the database server ({text}); check that it is running and that "
+                f"the host, port and database in the URL are right")
     if isinstance(exc, (SQLAlchemyError, OSError)):
         return f"{shown}: {type(orig).__name__}: {text}; check the database {elsewhere}"
     return f"{shown}: {text}"

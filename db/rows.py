@@ -141,7 +141,8 @@ class Reader:
             first = error.errors(include_url=False)[0]
             where = ".".join(str(part) for part in first["loc"]) or model.__name__
             message = first["msg"].removeprefix("Value error, ")
-            stored = "" if isinstance(first["input"], (dict, BaseModel)) else f" (stored {shown(first['input'])})"
+            value = first["input"]
+            stored = "" if isinstance(value, (dict, BaseModel)) else f" (stored {shown(value)})"
             problem = f"{where}{' ' if message.startswith('is ') else ': '}{message}{stored}"
         self.hurt(table, raw, problem)
         return None

@@ -146,7 +146,7 @@ class Config:
         if isinstance(value, Config):
             return value if isinstance(value, kind) else kind(value.family, value.params)
         if not isinstance(value, Mapping) or "params" not in value or set(value) - {"family", "params"}:
-            raise ValueError(f"a kernel config is an object {{family, params}} (family optional), got {value!r}")
+            raise ValueError(f"a kernel config is an object {{params, and optionally family}}, got {value!r}")
         return kind(value.get("family", BASELINE_FAMILY), value["params"])
 
     @classmethod

@@ -202,8 +202,8 @@ class Store:
         new = [d for d in damage if d.where not in self._warned]
         if new:
             self._warned.update(d.where for d in new)
-            warnings.warn(f"kvsplit skipped rows of the tuning database {DamagedRows(self.url, new)}", DbWarning,
-                          stacklevel=3)
+            warnings.warn(f"kvsplit skipped rows of the tuning database {DamagedRows(self.url, new)}",
+                          DbWarning, stacklevel=3)
 
     def _records(self, where: list, **options: Any) -> list[TuningRecord]:
         found = self.transaction(lambda session: read(session, where, **options), write=False)

@@ -19,7 +19,14 @@
 //            or 4 bytes a thread, CTAs as make_few_launch sizes them;
 //   row16 / row8
 //            the same with one CTA per row (Triton's serial merge's grid:
-//            a program per row, its threads the row's lanes).
+//            a program per row, its threads the row's lanes);
+//   hdiv / h64 / hstate / hfirst
+//            hand16 with one part of bare each, to split bare - hand16:
+//            the row and lane by FastDivmod, not a shift (hdiv); bare's
+//            64-bit offsets (h64); the product's round and MergeState
+//            (merge_few_round, merge_batch, finalize: hstate); and hstate
+//            without the fresh state's rescale by the empty state's weight
+//            (hfirst: the first round written as m = max, acc = sum w x).
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -141,6 +148,63 @@ __global__ void __launch_bounds__(1024) hand_kernel(const __nv_bfloat16* o, cons
   *reinterpret_cast<Vec*>(out + at) = result;
 }
 
+// hand16 with one part of bare (kStep 0 hdiv, 1 h64, 2 hstate, 3 hfirst).
+template <int kStep>
+__global__ void __launch_bounds__(1024) step_kernel(const SmallParams p, int lanes_log2) {
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t row = thread >> lanes_log2;
+  uint32_t lane = thread & ((1u << lanes_log2) - 1);
+  if (kStep == 0) {
+    row = p.lanes.div(thread);
+    lane = thread - row * p.lanes.divisor;
+  }
+  if (row >= static_cast<uint32_t>(p.rows)) return;
+  int64_t at = int64_t{thread} * kVec;
+  if (kStep == 1) at = int64_t{row} * static_cast<int>(p.lanes.divisor) * kVec + lane * kVec;
+  const __nv_bfloat16* o = p.o + at;
+  const float* s = p.s + row;
+  float result[kVec];
+  if (kStep >= 2) {
+    MergeState<kVec> state;
+    state.reset();
+    if (kStep == 2) {
+      bool holds[1] = {true};
+      merge_few_round<2, 1, DType::kBFloat16, StatsFormat::kLse>(
+          state, o, s, 2, p.o_split, p.s_split, 0, holds, 1.f, p.empty_stat);
+    } else {
+      const auto a = load_packed<kBytesPerThread>(o), b = load_packed<kBytesPerThread>(o + p.o_split);
+      const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
+      const float m0 = raw0 != p.empty_stat ? raw0 : neg_inf();
+      const float m1 = raw1 != p.empty_stat ? raw1 : neg_inf();
+      state.m = max_keep_nan(m0, m1);
+      const float offset = weight_offset(state.m);
+      const float w0 = MergeState<kVec>::weight(m0, offset, 1.f);
+      const float w1 = MergeState<kVec>::weight(m1, offset, 1.f);
+      state.l = w0 + w1;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        state.acc[v] = w0 * unpack<DType::kBFloat16>(a, v);
+        state.acc[v] += w1 * unpack<DType::kBFloat16>(b, v);
+      }
+    }
+    float log2_rel;
+    state.finalize(neg_inf(), 1.f, result, log2_rel);
+  } else {
+    const auto a = load_packed<kBytesPerThread>(o), b = load_packed<kBytesPerThread>(o + p.o_split);
+    const float s0 = __ldg(s), s1 = __ldg(s + p.s_split);
+    const float m = fmaxf(s0, s1);
+    const float anchor = m == -INFINITY ? 0.f : m;
+    const float w0 = fast_exp2(s0 - anchor), w1 = fast_exp2(s1 - anchor);
+    const float total = w0 + w1;
+    const float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      result[v] = (w0 * unpack<DType::kBFloat16>(a, v) + w1 * unpack<DType::kBFloat16>(b, v)) * inv;
+    }
+  }
+  store_out<kVec, DType::kBFloat16>(p.out, at, result);
+}
+
 int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream) {
   const int lanes = static_cast<int>(p.head_dim) * 2 / bytes;
   if (lanes < 1 || (lanes & (lanes - 1))) return -1;
@@ -176,7 +240,7 @@ FewGeometry geometry(const MergeParams& p, int sm_count, FewLaunch& shape) {
 using namespace kvsplit;
 
 // variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product, 7 hand16, 8 hand8,
-// 9 hand4, 10 row16, 11 row8. Split-major
+// 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -202,6 +266,16 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 7: case 8: case 9: case 10: case 11: {
       const int bytes[] = {16, 8, 4, 16, 8};
       if (launch_hand(p, bytes[variant - 7], variant >= 10, sm_count, stream) != 0) return -1;
+      break;
+    }
+    case 12: case 13: case 14: case 15: {
+      const int lanes = static_cast<int>(geo.lanes.divisor);
+      if (lanes & (lanes - 1)) return -1;
+      int lanes_log2 = 0;
+      while ((1 << lanes_log2) < lanes) ++lanes_log2;
+      void (*const kernels[])(SmallParams, int) = {step_kernel<0>, step_kernel<1>, step_kernel<2>,
+                                                    step_kernel<3>};
+      kernels[variant - 12]<<<grid, block, 0, stream>>>(small, lanes_log2);
       break;
     }
     default: {

@@ -24,7 +24,7 @@ timing = labkit.load("lab_timing", "autotune/timing.py")
 peers = labkit.load("lab_peers", "benchmarks/peers.py")
 
 VARIANTS = ["bare", "ex", "pdl", "bigp", "any", "general", "product", "hand16", "hand8", "hand4",
-            "row16", "row8"]
+            "row16", "row8", "hdiv", "h64", "hstate", "hfirst"]
 SHAPES = [(8, 128), (32, 128), (128, 128), (512, 128), (4096, 128), (32768, 128), (16, 512),
           (1024, 512)]
 
@@ -43,8 +43,8 @@ def main() -> int:
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
     names = ["noop", "read", "triton", "triton4w"] + VARIANTS
-    lines = ["| rows | D | " + " | ".join(names) + " | product - bare |",
-             "|---" * (len(names) + 3) + "|"]
+    lines = ["| rows | D | " + " | ".join(names) + " | product - bare | bare - hand16 |",
+             "|---" * (len(names) + 4) + "|"]
     for rows, head_dim in SHAPES:
         lse = (torch.randn(2, rows, generator=g) * 2).cuda()
         o = torch.randn(2, rows, head_dim, generator=g).cuda().bfloat16()
@@ -75,7 +75,7 @@ def main() -> int:
         times = {key: t.median_us for key, t in timing.time_cuda_graphs(
             runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}
         lines.append(f"| {rows} | {head_dim} | " + " | ".join(f"{times[n]:.2f}" for n in names)
-                     + f" | {times['product'] - times['bare']:+.2f} |")
+                     + f" | {times['product'] - times['bare']:+.2f} | {times['bare'] - times['hand16']:+.2f} |")
         print(lines[-1], flush=True)
     text = "us per launch, N = 2, bf16, graph replay in turns, L2-warm\n" + "\n".join(lines)
     print(text)

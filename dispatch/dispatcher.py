@@ -439,17 +439,24 @@ def _forget_pool(dispatcher: Dispatcher):
     return hook
 
 
-_SHIPPED: dict[DeviceFacts, dict] = {}
-_SHIPPED_TIMED: dict[DeviceFacts, dict] = {}  # per key: the families its record timed
+class _ShippedTable(dict):
+    """A device's shipped winners per choice key; ``timed``: per key, the families its record timed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed: dict = {}
 
 
-def _shipped_table(facts: DeviceFacts) -> dict:
+_SHIPPED: dict[DeviceFacts, _ShippedTable] = {}
+
+
+def _shipped_table(facts: DeviceFacts) -> _ShippedTable:
     """Winners shipped in kvsplit/tables/*.json for this device (any kernel build)."""
     table = _SHIPPED.get(facts)
     if table is None:
         from ..export import read_export
 
-        table, timed = {}, {}
+        table = _ShippedTable()
         info = device_info(facts)
         folder = resources.files("kvsplit").joinpath("tables")
         for entry in folder.iterdir() if folder.is_dir() else ():
@@ -457,8 +464,8 @@ def _shipped_table(facts: DeviceFacts) -> dict:
                 for record in read_export(entry.read_text()):
                     if record.key.device == info:
                         table[record.key.choice_key] = record.winner
-                        timed[record.key.choice_key] = frozenset(c.config.family for c in record.candidates)
-        _SHIPPED[facts], _SHIPPED_TIMED[facts] = table, timed
+                        table.timed[record.key.choice_key] = frozenset(c.config.family for c in record.candidates)
+        _SHIPPED[facts] = table
     return table
 
 
@@ -467,7 +474,7 @@ def _untimed_families(facts: DeviceFacts, key, shape: tuple[int, int]) -> set[st
 
     A record that lists no candidates is taken as it is (nothing to compare).
     """
-    timed = _SHIPPED_TIMED.get(facts, {}).get(key.choice_key)
+    timed = _shipped_table(facts).timed.get(key.choice_key)
     if not timed:
         return set()
     from ..autotune import tuner  # the tuner's pruning decides what it would time

@@ -177,7 +177,8 @@ def is_memory_url(url: URL) -> bool:
 
 def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
     """An engine for ``target`` (a string is read by :func:`parse_target`), or a :class:`StoreError`.
-    ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds."""
+    ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds; ``pooled``
+    false: an SQLite file's connections close after each transaction."""
     if not isinstance(target, Target):
         target = parse_target(target)
     shown, url = target.shown, target.url

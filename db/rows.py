@@ -297,8 +297,10 @@ def write_record(session: Session, record: TuningRecord, stored: StoredTimes | N
     """Insert ``record``, or overwrite the stored result of its key and its candidates: ``updated_at``
     is ``now``, ``created_at`` kept; with ``keep_times`` (imports) the record's own times where it has them."""
     updated = (record.updated_at if keep_times else None) or now
-    created = ((record.created_at if keep_times or stored is None else None)
-               or (stored.created_at if stored is not None else None) or now)
+    if stored is None:
+        created = record.created_at or now
+    else:
+        created = (record.created_at if keep_times else None) or stored.created_at or now
     values = {"winner_family": record.winner.family, "winner_params": record.winner.params,
               **record.policy.model_dump(), "tool_version": record.tool_version,
               "created_at": min(created, updated), "updated_at": updated}

@@ -145,8 +145,13 @@ class Config:
         kind = (info.context or {}).get("config", Config)
         if isinstance(value, Config):
             return value if isinstance(value, kind) else kind(value.family, value.params)
-        if not isinstance(value, Mapping) or "params" not in value or set(value) - {"family", "params"}:
-            raise ValueError(f"a kernel config is an object {{params, and optionally family}}, got {value!r}")
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a kernel config is an object {{family, params}}, got {value!r}")
+        extra = sorted(set(value) - {"family", "params"})
+        if extra:
+            raise ValueError(f"a kernel config has only family and params, got {', '.join(map(str, extra))}")
+        if "params" not in value:
+            raise ValueError("a kernel config needs params")
         return kind(value.get("family", BASELINE_FAMILY), value["params"])
 
     @classmethod

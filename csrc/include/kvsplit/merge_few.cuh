@@ -235,7 +235,9 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   pdl_trigger();
 
   float out[kElems], log2_rel;
-  const float total = state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
+  const float total = kFormat == StatsFormat::kLse
+                          ? state.finalize_lse(out, log2_rel)
+                          : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (p.stats_in_place) __syncwarp();  // as in few_kernel
   if (!active) return;
   const int32_t out_row =

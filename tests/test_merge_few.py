@@ -387,3 +387,26 @@ def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split
     merge_kit.assert_matches_reference(out, out_stats,
                                        *merge_kit.reference("maxsum", partial_o, stats))
     assert chosen_kv_split == [KernelConfig.few(2)]
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_empty_rows_write_zeros_whatever_their_partials_hold(device, num_splits, monkeypatch):
+    """A row whose every LSE is -inf merges to zeros and exports -inf, even where its partials
+    hold NaN or inf (the lean kernel's LSE epilogue selects instead of branching); the other
+    rows match the float64 reference."""
+    pin(monkeypatch, KernelConfig.few(1))
+    gen = torch.Generator().manual_seed(num_splits)
+    rows, head_dim = 9, 128
+    o = torch.randn(num_splits, rows, head_dim, generator=gen).bfloat16()
+    lse = torch.randn(num_splits, rows, generator=gen) * 3
+    empty = [1, 4, 8]
+    lse[:, empty] = -math.inf
+    o[0, 1], o[-1, 4, :3] = math.nan, math.inf
+    out, out_lse = kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, return_lse=True)
+    out, out_lse = out.cpu(), out_lse.cpu()
+    assert torch.equal(out[empty], torch.zeros(len(empty), head_dim, dtype=out.dtype))
+    assert torch.equal(out_lse[empty], torch.full((len(empty),), -math.inf))
+    kept = [r for r in range(rows) if r not in empty]
+    ref, ref_lse = reference.merge_lse_reference(o[:, kept], lse[:, kept], base=math.e)
+    torch.testing.assert_close(out[kept].double(), ref, rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(out_lse[kept].double(), ref_lse.double(), rtol=1e-5, atol=1e-6)

@@ -368,6 +368,37 @@ def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch)
                                        ref_lse.float().double(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("out_dtype, scaled", [(torch.float32, False), (torch.float16, False),
+                                               (torch.float8_e4m3fn, True),
+                                               (torch.float8_e4m3fnuz, True)])
+def test_other_output_dtypes_take_the_lean_kernel_with_the_general_ones_bits(
+        device, out_dtype, scaled, monkeypatch):
+    """An output dtype other than the partials' (or an FP8 per-tensor scale) takes the lean
+    kernel's any-output store; with every row's split count given, the same call takes the
+    general kernel. The same bits in every layout, and the float64 reference (FP8: divided
+    by the scale and quantized the same way) within one step of the output format."""
+    pin(monkeypatch, KernelConfig.few(1))
+    for num_splits in (2, 5):
+        gen = torch.Generator().manual_seed(7 * num_splits + len(str(out_dtype)))
+        tokens, heads, head_dim = 7, 5, 96
+        scale = torch.tensor([0.37]) if scaled else None
+        for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen):
+            ref, _ = reference.merge_lse_reference(
+                o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e)
+            counts = torch.full((tokens, heads), num_splits, dtype=torch.int32)
+            runs = [kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, out_dtype=out_dtype,
+                                      out_scale=None if scale is None else scale.to(device),
+                                      split_counts=c) for c in (None, counts.to(device))]
+            lean, general = (run.cpu() for run in runs)
+            assert lean.dtype == out_dtype
+            assert torch.equal(lean.view(torch.uint8), general.view(torch.uint8)), name
+            expected = ref / scale.double() if scaled else ref
+            if scaled:
+                expected = expected.to(out_dtype).double()
+            tolerance = dict(rtol=2 ** -3, atol=2 ** -9) if scaled else dict(rtol=2 ** -10, atol=1e-5)
+            torch.testing.assert_close(lean.double().reshape(-1, head_dim), expected, **tolerance)
+
+
 @pytest.mark.parametrize("mode", ["few:3", "few", "few:", "few:1:2", "few:8", "few:-1"])
 def test_a_bad_mode_is_refused_naming_the_variable(mode, merge_kit, monkeypatch):
     partial_o, stats = merge_kit.partials("maxsum", 4, 4, 128, torch.bfloat16,
@@ -387,3 +418,26 @@ def test_a_pinned_config_is_still_constrained(device, merge_kit, chosen_kv_split
     merge_kit.assert_matches_reference(out, out_stats,
                                        *merge_kit.reference("maxsum", partial_o, stats))
     assert chosen_kv_split == [KernelConfig.few(2)]
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_empty_rows_write_zeros_whatever_their_partials_hold(device, num_splits, monkeypatch):
+    """A row whose every LSE is -inf merges to zeros and exports -inf, even where its partials
+    hold NaN or inf (the lean kernel's LSE epilogue selects instead of branching); the other
+    rows match the float64 reference."""
+    pin(monkeypatch, KernelConfig.few(1))
+    gen = torch.Generator().manual_seed(num_splits)
+    rows, head_dim = 9, 128
+    o = torch.randn(num_splits, rows, head_dim, generator=gen).bfloat16()
+    lse = torch.randn(num_splits, rows, generator=gen) * 3
+    empty = [1, 4, 8]
+    lse[:, empty] = -math.inf
+    o[0, 1], o[-1, 4, :3] = math.nan, math.inf
+    out, out_lse = kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, return_lse=True)
+    out, out_lse = out.cpu(), out_lse.cpu()
+    assert torch.equal(out[empty], torch.zeros(len(empty), head_dim, dtype=out.dtype))
+    assert torch.equal(out_lse[empty], torch.full((len(empty),), -math.inf))
+    kept = [r for r in range(rows) if r not in empty]
+    ref, ref_lse = reference.merge_lse_reference(o[:, kept], lse[:, kept], base=math.e)
+    torch.testing.assert_close(out[kept].double(), ref, rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(out_lse[kept].double(), ref_lse.double(), rtol=1e-5, atol=1e-6)

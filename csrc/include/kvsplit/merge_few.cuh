@@ -22,8 +22,9 @@
 //
 // The depth and `vectors` are template arguments (a thread's loads live in
 // registers): the pairs of config.h's FewDepths x FewVectors that
-// few_loads_fit, seven per (partial dtype, stats format), each as the lean kernel
-// and the general one (few_lean_kernel below says which calls take which).
+// few_loads_fit, seven per (partial dtype, stats format), each as two lean kernels
+// (the partials' dtype out, any output) and the general one (few_lean_kernel below
+// says which calls take which).
 #pragma once
 
 #include <cstdint>
@@ -186,14 +187,16 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
 // indptr or pass-through rows), rows are (token, head) with a stride each per
-// tensor, the output is in the partials' dtype with no FP8 scale, no sinks,
-// and one pass of the grid covers the call (few_lean_call). The general
+// tensor, no sinks, no per-group FP8 scales, and one pass of the grid covers
+// the call (few_lean_call). kAnyOut false: the output is in the partials'
+// dtype with no FP8 scale; true: any output dtype, FP8 with the call's
+// per-tensor scale or none (a store switch the common call does not pay). The general
 // kernel serves the same calls with the same results (the same rounds in the
 // same order); what it adds for the others (a loop over passes, 64-bit row
 // arithmetic, branches to the pass-through rows, sinks, an output-dtype switch
 // and FP8 scaling) costs a decode-sized launch about half a microsecond and a
 // large L2-resident one over half its time (benchmarks/lab/lab_fixed.py).
-template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors>
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, bool kAnyOut>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_lean_kernel(const MergeParams p, const FewGeometry geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
@@ -235,18 +238,32 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   pdl_trigger();
 
   float out[kElems], log2_rel;
-  const float total = state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
+  const float total = kFormat == StatsFormat::kLse
+                          ? state.finalize_lse(out, log2_rel)
+                          : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (p.stats_in_place) __syncwarp();  // as in few_kernel
   if (!active) return;
   const int32_t out_row =
       token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
+  // FP8: value / scale, clamped to the format's range (scale_fp8 without groups).
+  const float inverse_scale = kAnyOut ? 1.f / load_out_scale(p) : 1.f;
 #pragma unroll
   for (int u = 0; u < kVectors; ++u) {
     if (!holds[u]) continue;
     float vector[kVec];
 #pragma unroll
     for (int v = 0; v < kVec; ++v) vector[v] = out[u * kVec + v];
-    store_out<kVec, kPartial>(p.out, out_row + (lane + u * lanes) * kVec, vector);
+    const int32_t at = out_row + (lane + u * lanes) * kVec;
+    if constexpr (kAnyOut) {
+      if (is_fp8(p.out_dtype)) {
+        const float limit = fp8_max(p.out_dtype);
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) vector[v] = fp8_prepare(vector[v], inverse_scale, limit);
+      }
+      store_any(p.out_dtype, p.out, at, vector);
+    } else {
+      store_out<kVec, kPartial>(p.out, at, vector);
+    }
   }
   if (lane == 0 && p.out_stats != nullptr) {
     export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel, nullptr);
@@ -278,11 +295,11 @@ inline bool row_offsets_fit(const RowStrides& s, int64_t tokens, int64_t heads, 
 // Whether a call (after flatten_rows) of `threads` threads takes the lean
 // kernel; if so, `lean` is the call with every tensor's rows at (0, token,
 // head), each row's offsets within 32 bits, and `heads` the heads per token.
+// (Whether it needs the kernel's any-output store: few_lean_any_out.)
 inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& lean,
                           uint32_t& heads) {
   if (p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
-      p.pass_through_tokens != INT64_MAX || p.sinks != nullptr || p.out_scale != nullptr ||
-      p.group_scales != nullptr || p.out_dtype != p.partial_dtype ||
+      p.pass_through_tokens != INT64_MAX || p.sinks != nullptr || p.group_scales != nullptr ||
       threads > kFewMaxGridThreads || p.heads < 1 || p.heads > INT32_MAX || p.seqlen < 1) {
     return false;
   }
@@ -302,6 +319,10 @@ inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& le
          fold_batches(p.out_row, batches, p.seqlen, lean.out_row) &&
          (p.out_stats == nullptr ||
           fold_batches(p.out_stats_row, batches, p.seqlen, lean.out_stats_row));
+}
+
+inline bool few_lean_any_out(const MergeParams& p) {
+  return p.out_dtype != p.partial_dtype || p.out_scale != nullptr;
 }
 
 inline bool few_lean_call(const MergeParams& p, int64_t threads, MergeParams& lean,
@@ -336,11 +357,16 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
     KVSPLIT_DISPATCH_FEW_VECTORS(config.vectors, kVectors, status, {
       if constexpr (few_loads_fit(kDepth, kVectors)) {
-        error = is_lean ? cudaLaunchKernelEx(&launch.config,
-                                             few_lean_kernel<kPartial, kFormat, kDepth, kVectors>,
-                                             lean, geo)
-                        : cudaLaunchKernelEx(&launch.config,
-                                             few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
+        if (!is_lean) {
+          error = cudaLaunchKernelEx(&launch.config,
+                                     few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
+        } else if (few_lean_any_out(p)) {
+          error = cudaLaunchKernelEx(
+              &launch.config, few_lean_kernel<kPartial, kFormat, kDepth, kVectors, true>, lean, geo);
+        } else {
+          error = cudaLaunchKernelEx(
+              &launch.config, few_lean_kernel<kPartial, kFormat, kDepth, kVectors, false>, lean, geo);
+        }
       } else {
         status = fail(Error::kVectors, kVectors);
       }

@@ -87,10 +87,10 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 -P -m kvsplit db export --out "$OUT/tuned-h200-adapters.json" ;;
     tune-coverage)
-      # Head dims beyond the powers of two and FP8 outputs at the adapters' shapes, in a
+      # Head dims beyond the powers of two, float32 and FP8 outputs at the adapters' shapes, in a
       # database of their own (exported for the package as nvidia-h200-coverage.json).
       KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit tune \
-        --head-dim 80,96,192,576 --dtype bfloat16 --out-dtype same,float8_e4m3fn \
+        --head-dim 80,96,192,576 --dtype bfloat16 --out-dtype same,float32,float8_e4m3fn \
         --format lse,lse:scattered --num-splits 2,16,64 --rows 16,128,1024 \
         2>&1 | tee -a "$LOG" | tail -6
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -368,30 +368,38 @@ def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch)
                                        ref_lse.float().double(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vectors", [1, 2, 4])
 @pytest.mark.parametrize("out_dtype, scaled", [(torch.float32, False), (torch.float16, False),
                                                (torch.float8_e4m3fn, True),
                                                (torch.float8_e4m3fnuz, True)])
 def test_other_output_dtypes_take_the_lean_kernel_with_the_general_ones_bits(
-        device, out_dtype, scaled, monkeypatch):
+        device, out_dtype, scaled, vectors, monkeypatch):
     """An output dtype other than the partials' (or an FP8 per-tensor scale) takes the lean
     kernel's any-output store; with every row's split count given, the same call takes the
     general kernel. The same bits in every layout, and the float64 reference (FP8: divided
-    by the scale and quantized the same way) within one step of the output format."""
-    pin(monkeypatch, KernelConfig.few(1))
-    for num_splits in (2, 5):
-        gen = torch.Generator().manual_seed(7 * num_splits + len(str(out_dtype)))
-        tokens, heads, head_dim = 7, 5, 96
+    by the scale and quantized the same way) within one step of the output format. Head
+    dims 80 and 96 with 1, 2 and 4 vectors a thread give rows of an even number of threads
+    (float32 outputs stored in lane pairs) and of an odd one (10 / 2 = 5, 10 / 4 -> 3), and
+    35 rows leave the last warp part empty."""
+    pin(monkeypatch, KernelConfig.few(vectors))
+    for num_splits, head_dim in ((2, 96), (5, 96), (2, 80), (3, 80)):
+        gen = torch.Generator().manual_seed(7 * num_splits + head_dim + len(str(out_dtype)))
+        tokens, heads = 7, 5
         scale = torch.tensor([0.37]) if scaled else None
         for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen):
-            ref, _ = reference.merge_lse_reference(
+            ref, ref_lse = reference.merge_lse_reference(
                 o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e)
             counts = torch.full((tokens, heads), num_splits, dtype=torch.int32)
             runs = [kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, out_dtype=out_dtype,
                                       out_scale=None if scale is None else scale.to(device),
-                                      split_counts=c) for c in (None, counts.to(device))]
-            lean, general = (run.cpu() for run in runs)
+                                      split_counts=c, return_lse=True)
+                    for c in (None, counts.to(device))]
+            (lean, lean_lse), (general, general_lse) = ((a.cpu(), b.cpu()) for a, b in runs)
             assert lean.dtype == out_dtype
             assert torch.equal(lean.view(torch.uint8), general.view(torch.uint8)), name
+            assert torch.equal(lean_lse, general_lse), name
+            torch.testing.assert_close(lean_lse.double().reshape(-1), ref_lse.float().double(),
+                                       rtol=1e-5, atol=1e-6)
             expected = ref / scale.double() if scaled else ref
             if scaled:
                 expected = expected.to(out_dtype).double()

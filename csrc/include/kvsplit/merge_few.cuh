@@ -184,6 +184,30 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   }
 }
 
+// A lane's float32 vector of a 16-bit partials' row (8 floats, 32 bytes),
+// stored with its pair's (lanes 2k and 2k + 1, neighbours in the row): 32
+// bytes a lane in two 16-byte stores would leave each 32-byte sector of a
+// warp's store half written by one store and completed by the next. The pair
+// trades halves by shuffle instead, so that each store writes whole sectors:
+// first the even lane's vector (its first half by it, its second by the odd
+// lane), then the odd lane's. Every lane of the warp calls it; `stores` says
+// whether this one writes; `dst` is its own vector's place.
+__device__ __forceinline__ void store_float32_paired(float* dst, const float (&v)[8], bool odd,
+                                                     bool stores) {
+  float keep[4], got[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    keep[i] = odd ? v[4 + i] : v[i];
+    got[i] = __shfl_xor_sync(0xffffffffu, odd ? v[i] : v[4 + i], 1);
+  }
+  if (!stores) return;
+  const float4 mine = make_float4(keep[0], keep[1], keep[2], keep[3]);
+  const float4 theirs = make_float4(got[0], got[1], got[2], got[3]);
+  float* first = odd ? dst - 4 : dst;
+  reinterpret_cast<float4*>(first)[0] = odd ? theirs : mine;
+  reinterpret_cast<float4*>(first)[2] = odd ? mine : theirs;
+}
+
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
 // indptr or pass-through rows), rows are (token, head) with a stride each per
@@ -215,6 +239,8 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < geo.row_vectors;
 
   pdl_wait();
+  // Issued before the merge's loads so that its latency hides behind theirs.
+  const float out_scale = kAnyOut ? load_out_scale(p) : 1.f;
   // Row offsets in 32 bits (few_lean_call checks that they fit).
   const Partial* o = static_cast<const Partial*>(p.partial_o) +
                      (token * static_cast<int32_t>(p.o_row.token) +
@@ -242,11 +268,36 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (p.stats_in_place) __syncwarp();  // as in few_kernel
+  const bool exports = active && lane == 0 && p.out_stats != nullptr;
+  if constexpr (kAnyOut && kVec == 8) {
+    // float32 from 16-bit partials, where a row's lanes pair up (an even number
+    // of them, and of vectors, so both lanes of a pair hold a vector or
+    // neither): store_float32_paired. The condition is the grid's, so every
+    // lane of a warp takes part in the shuffles.
+    if (p.out_dtype == DType::kFloat32 && lanes % 2 == 0 && geo.row_vectors % 2 == 0) {
+      const int32_t out_row = active ? token * static_cast<int32_t>(p.out_row.token) +
+                                           head * static_cast<int32_t>(p.out_row.head)
+                                     : 0;
+#pragma unroll
+      for (int u = 0; u < kVectors; ++u) {
+        float vector[kVec];
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) vector[v] = out[u * kVec + v];
+        store_float32_paired(static_cast<float*>(p.out) + out_row + (lane + u * lanes) * kVec,
+                             vector, lane & 1, active && holds[u]);
+      }
+      if (exports) {
+        export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel,
+                              nullptr);
+      }
+      return;
+    }
+  }
   if (!active) return;
   const int32_t out_row =
       token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
   // FP8: value / scale, clamped to the format's range (scale_fp8 without groups).
-  const float inverse_scale = kAnyOut ? 1.f / load_out_scale(p) : 1.f;
+  const float inverse_scale = 1.f / out_scale;
 #pragma unroll
   for (int u = 0; u < kVectors; ++u) {
     if (!holds[u]) continue;
@@ -265,7 +316,7 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
       store_out<kVec, kPartial>(p.out, at, vector);
     }
   }
-  if (lane == 0 && p.out_stats != nullptr) {
+  if (exports) {
     export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel, nullptr);
   }
 }

@@ -57,12 +57,11 @@ void store_row(DType out, void* base, int64_t offset, const float* values, int c
 
 // FP8 outputs: each value divided by its scale (the per-tensor one, or its
 // group's, which is computed here from the group's amax and written out, as
-// the kernels do) and clamped to the format's range.
+// the kernels do); the conversion saturates it to the format's range.
 void scale_fp8_row(const MergeParams& p, const RowIndex& at, float* row) {
-  const float limit = fp8_max(p.out_dtype);
   if (p.group_scales == nullptr) {
     const float inverse = p.out_scale != nullptr ? 1.f / *p.out_scale : 1.f;
-    for (int d = 0; d < p.head_dim; ++d) row[d] = fp8_prepare(row[d], inverse, limit);
+    for (int d = 0; d < p.head_dim; ++d) row[d] = fp8_prepare(row[d], inverse);
     return;
   }
   const bool ue8m0 = p.scale_ue8m0 || p.group_scales_dtype == DType::kFloat8E8M0FNU;
@@ -78,7 +77,7 @@ void scale_fp8_row(const MergeParams& p, const RowIndex& at, float* row) {
       static_cast<uint8_t*>(p.group_scales)[at_scale] = ue8m0_byte(scale);
     }
     const float inverse = 1.f / scale;
-    for (int d = 0; d < p.quant_group; ++d) values[d] = fp8_prepare(values[d], inverse, limit);
+    for (int d = 0; d < p.quant_group; ++d) values[d] = fp8_prepare(values[d], inverse);
   }
 }
 

@@ -201,9 +201,8 @@ __device__ __forceinline__ void scale_fp8(const MergeParams& p, float (&out)[kVe
     }
     inverse = 1.f / scale;
   }
-  const float limit = fp8_max(p.out_dtype);
 #pragma unroll
-  for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse, limit);
+  for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse);
 }
 
 // A row's sink logit in base 2, or -inf: no sinks, a row not stored, or a

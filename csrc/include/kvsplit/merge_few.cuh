@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   if (!active) return;
   const int32_t out_row =
       token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
-  // FP8: value / scale, clamped to the format's range (scale_fp8 without groups).
+  // FP8: value / scale, saturated by the conversion (scale_fp8 without groups).
   const float inverse_scale = 1.f / out_scale;
 #pragma unroll
   for (int u = 0; u < kVectors; ++u) {
@@ -307,9 +307,8 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     const int32_t at = out_row + (lane + u * lanes) * kVec;
     if constexpr (kAnyOut) {
       if (is_fp8(p.out_dtype)) {
-        const float limit = fp8_max(p.out_dtype);
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) vector[v] = fp8_prepare(vector[v], inverse_scale, limit);
+        for (int v = 0; v < kVec; ++v) vector[v] = fp8_prepare(vector[v], inverse_scale);
       }
       store_any(p.out_dtype, p.out, at, vector);
     } else {

@@ -42,8 +42,9 @@ KVSPLIT_HD float fp8_max(DType dtype) {
 }
 
 // float -> e4m3 bits, round to nearest even, values past the largest finite
-// one saturated to it (the caller clamps first anyway). fn: bias 7, NaN
-// 0x7f; fnuz: bias 8, NaN 0x80 and no negative zero.
+// one (infinities included) saturated to it, as Ada's and later GPUs'
+// satfinite conversion does. fn: bias 7, NaN 0x7f; fnuz: bias 8, NaN 0x80
+// and no negative zero.
 KVSPLIT_HD uint8_t float_to_e4m3(float x, bool fnuz) {
   const uint32_t bits = float_bits(x);
   const uint32_t sign = (bits >> 24) & 0x80u;
@@ -89,11 +90,9 @@ KVSPLIT_HD float group_scale(float amax, DType out, bool ue8m0) {
 // The ue8m0 byte of a power-of-two scale: its biased exponent.
 KVSPLIT_HD uint8_t ue8m0_byte(float scale) { return static_cast<uint8_t>(float_bits(scale) >> 23); }
 
-// The value that goes into an FP8 store: x / scale (as x times the scale's
-// inverse), clamped to the format's range; NaN stays NaN.
-KVSPLIT_HD float fp8_prepare(float x, float inverse_scale, float limit) {
-  const float y = x * inverse_scale;
-  return y > limit ? limit : y < -limit ? -limit : y;
-}
+// The value that goes into an FP8 store: x / scale, as x times the scale's
+// inverse. The conversion saturates it to the format's range (NaN stays
+// NaN), so no clamp comes before it.
+KVSPLIT_HD float fp8_prepare(float x, float inverse_scale) { return x * inverse_scale; }
 
 }  // namespace kvsplit

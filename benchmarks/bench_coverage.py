@@ -8,7 +8,8 @@ ms), then times in CUDA-graph replay (L2-warm, us per launch) the auto choice
 writing bfloat16, float32 and FP8 e4m3fn (a per-tensor scale) outputs, and the
 read probe over the same bytes (partials and stats read, output written).
 Prints kvsplit/read per shape, the ratio of a new head dim to its power-of-two
-neighbours, and of float32/FP8 outputs to bfloat16. Then, at a few shapes, every
+neighbours, and of float32/FP8 outputs to bfloat16, and the config the tuner chose for
+each key. Then, at a few shapes, every
 valid config timed with bfloat16 and FP8 outputs: the best of each, and the
 bfloat16 winner writing FP8 (what an FP8 output costs in the same kernel config,
 apart from the tuner's choice).
@@ -29,7 +30,8 @@ ROWS_SPLITS = [(128, 32), (512, 16), (4096, 2)]
 HEAD_DIMS = [64, 80, 96, 128, 192, 256, 512, 576]
 NEIGHBOURS = {80: (64, 128), 96: (64, 128), 192: (128, 256), 576: (512,)}
 # (rows, num_splits, head_dim) where every config is timed.
-CONFIG_SHAPES = [(128, 32, 128), (4096, 2, 192), (4096, 2, 256), (4096, 2, 512), (4096, 2, 576)]
+CONFIG_SHAPES = [(128, 32, 128), (512, 16, 512), (512, 16, 576), (4096, 2, 192), (4096, 2, 256),
+                 (4096, 2, 512), (4096, 2, 576)]
 
 
 def every_config(torch, sm_count: int) -> list[str]:
@@ -73,7 +75,7 @@ def main() -> int:
     import torch
 
     import kvsplit
-    from kvsplit import _native
+    from kvsplit import _native, merge as merge_module
     from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graph
 
     probe = _native.bench().launch_read_probe
@@ -100,6 +102,12 @@ def main() -> int:
                 merge(0)  # first use: tunes the key
                 torch.cuda.synchronize()
                 first_use_ms.append((time.perf_counter() - start) * 1e3)
+                try:  # the layout's launch, made by that first call: its config
+                    plan = merge_module._layout_launch(merge_module.LSE, o, lse, math.e, None,
+                                                       None, out, False, None)
+                    row[f"config_{name}"] = plan.kernel.config.label
+                except Exception as error:  # noqa: BLE001 - a report, not a check
+                    row[f"config_{name}"] = f"? ({type(error).__name__})"
 
                 def read(i, out=out):
                     probe(o.data_ptr(), o.numel() * 2, lse.data_ptr(), lse.numel() * 4,
@@ -131,6 +139,9 @@ def main() -> int:
             for n in near:
                 a, b = ratio[(rows, d, "bf16")], ratio[(rows, n, "bf16")]
                 lines.append(f"| {rows} | {d} vs {n} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
+    lines += ["", "| rows | N | D | bf16 config | fp32 config | fp8 config |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['num_splits']} | {r['head_dim']} | " +
+              " | ".join(r[f"config_{n}"] for n in outs) + " |" for r in results]
     lines += ["", f"first use, ms per key: median {statistics.median(first_use_ms):.1f}, "
               f"max {max(first_use_ms):.1f} over {len(first_use_ms)} keys", ""]
     lines += every_config(torch, torch.cuda.get_device_properties(0).multi_processor_count)

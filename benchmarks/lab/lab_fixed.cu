@@ -26,7 +26,12 @@
 //            64-bit offsets (h64); the product's round and MergeState
 //            (merge_few_round, merge_batch, finalize: hstate); and hstate
 //            without the fresh state's rescale by the empty state's weight
-//            (hfirst: the first round written as m = max, acc = sum w x).
+//            (hfirst: the first round written as m = max, acc = sum w x);
+//   lean8 / lean6 / lean4
+//            the product's lean kernel under launch bounds that ask for 8,
+//            6 or 4 CTAs of 256 threads an SM (at most 32, 40 or 64
+//            registers; the product asks for 1 and takes 55), launched
+//            with <<<>>> on the product's grid.
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -113,6 +118,12 @@ __global__ void __launch_bounds__(256, 1) any_kernel(const MergeParams p, const 
   if (active && lane == 0 && p.out_stats != nullptr) {
     export_stats<StatsFormat::kLse>(p, state, at, total, sink_log2, log2_rel, nullptr);
   }
+}
+
+template <int kMinCtas>
+__global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const MergeParams p,
+                                                                     const FewGeometry geo) {
+  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, false>(p, geo);
 }
 
 // A two-state merge written out: each thread loads both LSEs and its piece
@@ -240,7 +251,8 @@ FewGeometry geometry(const MergeParams& p, int sm_count, FewLaunch& shape) {
 using namespace kvsplit;
 
 // variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product, 7 hand16, 8 hand8,
-// 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst. Split-major
+// 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
+// 18 lean4. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -276,6 +288,19 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       void (*const kernels[])(SmallParams, int) = {step_kernel<0>, step_kernel<1>, step_kernel<2>,
                                                     step_kernel<3>};
       kernels[variant - 12]<<<grid, block, 0, stream>>>(small, lanes_log2);
+      break;
+    }
+    case 16: case 17: case 18: {
+      MergeParams lean;
+      uint32_t heads = 1;
+      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), lean, heads)) {
+        return -1;
+      }
+      FewGeometry lean_geo = geo;
+      lean_geo.heads = FastDivmod(heads);
+      void (*const kernels[])(MergeParams, FewGeometry) = {
+          lean_bounded_kernel<8>, lean_bounded_kernel<6>, lean_bounded_kernel<4>};
+      kernels[variant - 16]<<<grid, block, 0, stream>>>(lean, lean_geo);
       break;
     }
     default: {

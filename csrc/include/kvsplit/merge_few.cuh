@@ -220,9 +220,10 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
 // arithmetic, branches to the pass-through rows, sinks, an output-dtype switch
 // and FP8 scaling) costs a decode-sized launch about half a microsecond and a
 // large L2-resident one over half its time (benchmarks/lab/lab_fixed.py).
+// Its body is a device function so that the kernel lab can build it under
+// other launch bounds.
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, bool kAnyOut>
-__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
-    few_lean_kernel(const MergeParams p, const FewGeometry geo) {
+__device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGeometry& geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
   using Partial = typename CudaType<kPartial>::type;
@@ -318,6 +319,12 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   if (exports) {
     export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel, nullptr);
   }
+}
+
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, bool kAnyOut>
+__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
+    few_lean_kernel(const MergeParams p, const FewGeometry geo) {
+  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kAnyOut>(p, geo);
 }
 
 // Row strides over (token, head) with token = batch * seqlen + token, or

@@ -10,7 +10,8 @@
 #   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
 #   Python into /tmp/kvsplit-dist. wheel: installs that wheel (or $KVSPLIT_WHEEL) into a
 #   fresh venv with pip --no-deps, no compiler on PATH, and runs the GPU tests and the demo.
-#   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite).
+#   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite); the tune
+#   stages each write one of their own, whose export holds their grid's keys alone.
 #   Builds made elsewhere save device time: with .kvbuild/kv (and .kvbuild/ptx80) carried,
 #   `pip install --target` trees of this commit for the device's Python, build and ptx80
 #   take them instead of compiling (benchmarks/prebuild.sh makes them on a machine with nvcc).
@@ -28,6 +29,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/kv:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export KVSPLIT_DB=${KVSPLIT_DB:-sqlite:////tmp/kvsplit-tune.sqlite}
+run_db=$KVSPLIT_DB
 # Few files come back from $OUT (8 at most): logs go to one run.log.
 LOG="$OUT/run.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$LOG" 2>&1
@@ -71,21 +73,27 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tune)
-      # The benchmark grid, both stats formats and 16-bit dtypes; exported for the package.
+      # The benchmark grid, both stats formats and 16-bit dtypes, in a database of its own
+      # (its export holds the grid's keys alone: nvidia-h200.json).
+      export KVSPLIT_DB=sqlite:////tmp/kvsplit-grid.sqlite
       python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
         --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee -a "$LOG" | tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 -P -m kvsplit db export --out "$OUT/tuned-h200.json"
       python3 -P -m kvsplit db stats 2>&1 | tee -a "$LOG"
       python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 --stats-format maxsum >> "$LOG" 2>&1
-      python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2 ;;
+      python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2
+      export KVSPLIT_DB=$run_db ;;
     tune-adapters)
-      # The engine adapters' shapes (kvsplit.compat), split-major and scattered-stats keys.
-      python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float32 \
+      # The engine adapters' shapes (kvsplit.compat), split-major and scattered-stats keys, in
+      # a database of their own (nvidia-h200-adapters.json).
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite python3 -P -m kvsplit tune \
+        --head-dim 512,128 --dtype bfloat16,float32 \
         --format lse,lse:scattered --num-splits 2,16,64,264 --rows 16,128,256,1024 \
         2>&1 | tee -a "$LOG" | tail -6
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      python3 -P -m kvsplit db export --out "$OUT/tuned-h200-adapters.json" ;;
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite python3 -P -m kvsplit db export \
+        --out "$OUT/tuned-h200-adapters.json" ;;
     tune-coverage)
       # Head dims beyond the powers of two, float32 and FP8 outputs at the adapters' shapes, in a
       # database of their own (exported for the package as nvidia-h200-coverage.json).

@@ -218,9 +218,7 @@ struct MergeState {
   // largest exactly 1, so the denominator l lies in [1, N] (0 for an empty
   // row, NaN after a NaN stat) and the fast reciprocal and log2 need no range
   // check. The same values as finalize(-inf, ...), an empty row's zeros
-  // included whatever its partials hold, with selects for its branches (a
-  // two-state merge at decode sizes ran 0.06-0.08 us faster without them:
-  // benchmarks/lab/lab_fixed.py, hstate against hand16).
+  // included whatever its partials hold, with selects for its branches.
   KVSPLIT_HD float finalize_lse(float (&out)[kVec], float& log2_rel) const {
     const bool empty = m == neg_inf();
     const float factor = fast_divide(1.f, l);

@@ -43,11 +43,12 @@ KVSPLIT_HOST_DEVICE constexpr int few_depth(int64_t num_splits, int vectors) {
   }
   return depth;
 }
-// Threads per CTA: the smallest power of two from the minimum that puts
-// every SM's share of the call's threads in one CTA, up to the maximum (so
-// that one token's few rows still spread over many SMs, and large calls run
-// CTAs of the maximum).
+// Threads per CTA: a multiple of 32 from the minimum to the maximum that
+// spreads a call most evenly over the SMs (make_few_launch), so that one
+// token's few rows still reach many SMs; large calls run CTAs of the
+// maximum.
 constexpr int kFewMinCtaThreads = KVSPLIT_FEW_MIN_CTA_THREADS;
+static_assert(KVSPLIT_FEW_MIN_CTA_THREADS % 32 == 0, "Few CTAs are whole warps");
 constexpr int kFewMaxCtaThreads = KVSPLIT_FEW_MAX_CTA_THREADS;
 // The launch bounds' minimum of CTAs per SM (KVSPLIT_FEW_MIN_CTAS, 1) lets a
 // kernel take the registers to issue a whole round's loads back to back.
@@ -117,10 +118,32 @@ struct FewLaunch {
   int64_t rows_per_pass;
 };
 
-// The launch of `rows` rows of `lanes` threads each on `sm_count` SMs.
+// The launch of `rows` rows of `lanes` threads each on `sm_count` SMs. A
+// call of up to kFewBalancedSmThreads threads an SM: the CTA size whose
+// busiest SM gets the fewest threads (ceil(CTAs / SMs) CTAs), the largest of
+// equals. A power of two can leave a third of the SMs idle (an SM's share of
+// 150 threads in CTAs of 256), or give some SMs twice the others' rows (144
+// CTAs of 256 on 132 SMs), and a merge that fits the SMs at once lasts as
+// long as its busiest SM. A larger call takes CTAs of the maximum, so that
+// as many threads stay resident as registers allow.
+constexpr int64_t kFewBalancedSmThreads = 4 * kFewMaxCtaThreads;
+
 KVSPLIT_HOST_DEVICE constexpr FewLaunch make_few_launch(int lanes, int64_t rows, int sm_count) {
   const int64_t threads = rows * lanes;
   const int64_t sms = sm_count > 0 ? sm_count : 1;
+  if (threads <= kFewMaxGridThreads && (threads + sms - 1) / sms <= kFewBalancedSmThreads) {
+    int32_t best = kFewMinCtaThreads;
+    int64_t best_load = INT64_MAX;
+    for (int32_t cta = kFewMinCtaThreads; cta <= kFewMaxCtaThreads; cta += 32) {
+      const int64_t ctas = (threads + cta - 1) / cta;
+      const int64_t load = (ctas + sms - 1) / sms * cta;
+      if (load <= best_load) {
+        best = cta;
+        best_load = load;
+      }
+    }
+    return FewLaunch{best, (threads + best - 1) / best, rows};
+  }
   const int64_t per_sm = (threads + sms - 1) / sms;
   int32_t cta = kFewMinCtaThreads;
   while (cta < per_sm && cta < kFewMaxCtaThreads) cta *= 2;

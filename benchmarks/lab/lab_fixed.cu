@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(256, 1) any_kernel(const MergeParams p, const 
 template <int kMinCtas>
 __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const MergeParams p,
                                                                      const FewGeometry geo) {
-  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, LeanOut::kSame>(p, geo);
+  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p, geo);
 }
 
 // A two-state merge written out: each thread loads both LSEs and its piece

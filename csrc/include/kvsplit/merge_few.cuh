@@ -208,15 +208,6 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
   reinterpret_cast<float4*>(first)[2] = odd ? mine : theirs;
 }
 
-// The lean kernel's output, a template argument so that the stores of the
-// common outputs are straight-line code: kSame, the partials' dtype; kFloat32
-// from 16-bit partials; kFp8, e4m3fn with the call's per-tensor scale or
-// none; kAny, any other output dtype through a runtime branch (float16 from
-// bfloat16 and back, 16-bit from float32, e4m3fnuz). Branches on a runtime
-// dtype at the end of the merge cost each launch 0.1-0.2 us
-// (benchmarks/lab/lab_outputs.py), where it is too short to hide them.
-enum class LeanOut : int { kSame, kFloat32, kFp8, kAny };
-
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
 // indptr or pass-through rows), rows are (token, head) with a stride each per
@@ -228,7 +219,11 @@ enum class LeanOut : int { kSame, kFloat32, kFp8, kAny };
 // decode-sized launch about half a microsecond and a large L2-resident one
 // over half its time (benchmarks/lab/lab_fixed.py). Its body is a device
 // function so that the kernel lab can build it under other launch bounds.
-template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, LeanOut kOut>
+// The output dtype is a template argument (kOut; FP8 with the call's
+// per-tensor scale or none), so that its store is straight-line code:
+// branches on a runtime dtype at the end of a merge this short cost each
+// launch 0.1-0.2 us (benchmarks/lab/lab_outputs.py).
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
 __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGeometry& geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
@@ -245,10 +240,9 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
 #pragma unroll
   for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < geo.row_vectors;
 
-  constexpr bool kScaled = kOut == LeanOut::kFp8 || kOut == LeanOut::kAny;
   pdl_wait();
   // Issued before the merge's loads so that its latency hides behind theirs.
-  const float out_scale = kScaled ? load_out_scale(p) : 1.f;
+  const float out_scale = is_fp8(kOut) ? load_out_scale(p) : 1.f;
   // Row offsets in 32 bits (few_lean_call checks that they fit).
   const Partial* o = static_cast<const Partial*>(p.partial_o) +
                      (token * static_cast<int32_t>(p.o_row.token) +
@@ -277,12 +271,11 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (p.stats_in_place) __syncwarp();  // as in few_kernel
   const bool exports = active && lane == 0 && p.out_stats != nullptr;
-  if constexpr (kOut == LeanOut::kFloat32) {
-    static_assert(kVec == 8, "float32 from 16-bit partials (float32 partials: kSame)");
-    // Where a row's lanes pair up (an even number of them, and of vectors, so
-    // both lanes of a pair hold a vector or neither): store_float32_paired.
-    // The condition is the grid's, so every lane of a warp takes part in the
-    // shuffles.
+  if constexpr (kOut == DType::kFloat32 && kVec == 8) {
+    // float32 from 16-bit partials, where a row's lanes pair up (an even
+    // number of them, and of vectors, so both lanes of a pair hold a vector or
+    // neither): store_float32_paired. The condition is the grid's, so every
+    // lane of a warp takes part in the shuffles.
     if (lanes % 2 == 0 && geo.row_vectors % 2 == 0) {
       const int32_t out_row = active ? token * static_cast<int32_t>(p.out_row.token) +
                                            head * static_cast<int32_t>(p.out_row.head)
@@ -306,7 +299,7 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
   const int32_t out_row =
       token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
   // FP8: value / scale, saturated by the conversion (scale_fp8 without groups).
-  const float inverse_scale = 1.f / out_scale;
+  const float inverse_scale = is_fp8(kOut) ? 1.f / out_scale : 1.f;
 #pragma unroll
   for (int u = 0; u < kVectors; ++u) {
     if (!holds[u]) continue;
@@ -314,28 +307,18 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
 #pragma unroll
     for (int v = 0; v < kVec; ++v) vector[v] = out[u * kVec + v];
     const int32_t at = out_row + (lane + u * lanes) * kVec;
-    if constexpr (kOut == LeanOut::kSame) {
-      store_out<kVec, kPartial>(p.out, at, vector);
-    } else if constexpr (kOut == LeanOut::kFloat32) {
-      store_out<kVec, DType::kFloat32>(p.out, at, vector);
-    } else if constexpr (kOut == LeanOut::kFp8) {
+    if constexpr (is_fp8(kOut)) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) vector[v] = fp8_prepare(vector[v], inverse_scale);
-      store_out<kVec, DType::kFloat8E4M3FN>(p.out, at, vector);
-    } else {
-      if (is_fp8(p.out_dtype)) {
-#pragma unroll
-        for (int v = 0; v < kVec; ++v) vector[v] = fp8_prepare(vector[v], inverse_scale);
-      }
-      store_any(p.out_dtype, p.out, at, vector);
     }
+    store_out<kVec, kOut>(p.out, at, vector);
   }
   if (exports) {
     export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel, nullptr);
   }
 }
 
-template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, LeanOut kOut>
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_lean_kernel(const MergeParams p, const FewGeometry geo) {
   few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut>(p, geo);
@@ -366,7 +349,6 @@ inline bool row_offsets_fit(const RowStrides& s, int64_t tokens, int64_t heads, 
 // Whether a call (after flatten_rows) of `threads` threads takes the lean
 // kernel; if so, `lean` is the call with every tensor's rows at (0, token,
 // head), each row's offsets within 32 bits, and `heads` the heads per token.
-// (Which of its output instances: few_lean_out.)
 inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& lean,
                           uint32_t& heads) {
   if (p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
@@ -390,14 +372,6 @@ inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& le
          fold_batches(p.out_row, batches, p.seqlen, lean.out_row) &&
          (p.out_stats == nullptr ||
           fold_batches(p.out_stats_row, batches, p.seqlen, lean.out_stats_row));
-}
-
-// The lean kernel's instance for the call's output dtype and scale.
-inline LeanOut few_lean_out(const MergeParams& p) {
-  if (p.out_dtype == DType::kFloat8E4M3FN) return LeanOut::kFp8;
-  if (p.out_scale != nullptr) return LeanOut::kAny;
-  if (p.out_dtype == p.partial_dtype) return LeanOut::kSame;
-  return p.out_dtype == DType::kFloat32 ? LeanOut::kFloat32 : LeanOut::kAny;
 }
 
 inline bool few_lean_call(const MergeParams& p, int64_t threads, MergeParams& lean,
@@ -436,21 +410,22 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
         } else {
-          auto kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, LeanOut::kAny>;
-          switch (few_lean_out(p)) {
-            case LeanOut::kSame:
-              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, LeanOut::kSame>;
+          // One instance per output dtype (the five of dtype_pair_supported).
+          auto kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kBFloat16>;
+          switch (p.out_dtype) {
+            case DType::kFloat16:
+              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat16>;
               break;
-            case LeanOut::kFp8:
-              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, LeanOut::kFp8>;
+            case DType::kFloat32:
+              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat32>;
               break;
-            case LeanOut::kFloat32:
-              // float32 partials with float32 outputs are kSame.
-              if constexpr (kPartial != DType::kFloat32) {
-                kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, LeanOut::kFloat32>;
-              }
+            case DType::kFloat8E4M3FN:
+              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>;
               break;
-            case LeanOut::kAny: break;
+            case DType::kFloat8E4M3FNUZ:
+              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FNUZ>;
+              break;
+            default: break;
           }
           error = cudaLaunchKernelEx(&launch.config, kernel, lean, geo);
         }

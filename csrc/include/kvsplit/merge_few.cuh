@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     // the row reads: they are all in this warp (check_call_rules).
     if (p.stats_in_place) __syncwarp();
     // One vector a step, the next one shifted into out[0, kVec) (static
-    // indices: out stays in registers), so that the store's code (a switch
+    // indices: out stays in registers), so that the store's code (branches
     // over five output dtypes, FP8 scaling) is compiled once, not per vector.
 #pragma unroll 1
     for (int u = 0; u < kVectors; ++u) {

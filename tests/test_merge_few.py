@@ -342,12 +342,12 @@ def test_offsets_past_2_to_the_31(cuda_device, vectors, merge_kit, chosen_kv_spl
     assert chosen_kv_split == [config]
 
 
-def layouts(num_splits, tokens, heads, head_dim, gen):
+def layouts(num_splits, tokens, heads, head_dim, gen, dtype=torch.bfloat16):
     """(name, partials, LSE) of one problem, (num_splits, tokens, heads, D), in the layouts
     the kernels address differently: split-major (flat rows), token-major partials with a
     head-major LSE, and heads sliced out of more (a token stride that is not heads head
     strides): the last two (token, head) rows."""
-    o = torch.randn(num_splits, tokens, heads, head_dim, generator=gen).bfloat16()
+    o = torch.randn(num_splits, tokens, heads, head_dim, generator=gen).to(dtype)
     lse = 3 * torch.randn(num_splits, tokens, heads, generator=gen)
     lse[torch.rand(lse.shape, generator=gen) < 0.2] = -math.inf
     token_major = o.permute(1, 2, 0, 3).contiguous().permute(2, 0, 1, 3)
@@ -384,24 +384,28 @@ def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch)
 
 
 @pytest.mark.parametrize("vectors", [1, 2, 4])
-@pytest.mark.parametrize("out_dtype, scaled", [(torch.float32, False), (torch.float16, False),
-                                               (torch.float8_e4m3fn, True),
-                                               (torch.float8_e4m3fnuz, True)])
+@pytest.mark.parametrize("partial_dtype, out_dtype, scaled", [
+    (torch.bfloat16, torch.float32, False), (torch.bfloat16, torch.float16, False),
+    (torch.bfloat16, torch.float8_e4m3fn, True), (torch.bfloat16, torch.float8_e4m3fn, False),
+    (torch.bfloat16, torch.float8_e4m3fnuz, True), (torch.float16, torch.bfloat16, False),
+    (torch.float32, torch.bfloat16, False), (torch.float32, torch.float16, False),
+    (torch.float32, torch.float8_e4m3fn, True)])
 def test_other_output_dtypes_take_the_lean_kernel_with_the_general_ones_bits(
-        device, out_dtype, scaled, vectors, monkeypatch):
-    """An output dtype other than the partials' (or an FP8 per-tensor scale) takes the lean
-    kernel's any-output store; with every row's split count given, the same call takes the
-    general kernel. The same bits in every layout, and the float64 reference (FP8: divided
-    by the scale and quantized the same way) within one step of the output format. Head
-    dims 80 and 96 with 1, 2 and 4 vectors a thread give rows of an even number of threads
-    (float32 outputs stored in lane pairs) and of an odd one (10 / 2 = 5, 10 / 4 -> 3), and
-    35 rows leave the last warp part empty."""
+        device, partial_dtype, out_dtype, scaled, vectors, monkeypatch):
+    """An output dtype other than the partials' takes the lean kernel's instance for that
+    dtype (FP8 with a per-tensor scale or none); with every row's split count given, the
+    same call takes the general kernel. The same bits in every layout, and the float64
+    reference (FP8: divided by the scale, if any, and quantized the same way) within one
+    step of the output format. Head dims 80 and 96 with 1, 2 and 4 vectors a thread give
+    rows of an even number of threads (float32 outputs of 16-bit partials stored in lane
+    pairs) and of an odd one (10 / 2 = 5, 10 / 4 -> 3), and 35 rows leave the last warp
+    part empty."""
     pin(monkeypatch, KernelConfig.few(vectors))
     for num_splits, head_dim in ((2, 96), (5, 96), (2, 80), (3, 80)):
         gen = torch.Generator().manual_seed(7 * num_splits + head_dim + len(str(out_dtype)))
         tokens, heads = 7, 5
         scale = torch.tensor([0.37]) if scaled else None
-        for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen):
+        for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen, partial_dtype):
             ref, ref_lse = reference.merge_lse_reference(
                 o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e)
             counts = torch.full((tokens, heads), num_splits, dtype=torch.int32)
@@ -416,9 +420,12 @@ def test_other_output_dtypes_take_the_lean_kernel_with_the_general_ones_bits(
             torch.testing.assert_close(lean_lse.double().reshape(-1), ref_lse.float().double(),
                                        rtol=1e-5, atol=1e-6)
             expected = ref / scale.double() if scaled else ref
-            if scaled:
+            fp8 = out_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+            if fp8:
                 expected = expected.to(out_dtype).double()
-            tolerance = dict(rtol=2 ** -3, atol=2 ** -9) if scaled else dict(rtol=2 ** -10, atol=1e-5)
+            ulp = {torch.float32: 2 ** -10, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+            tolerance = (dict(rtol=2 ** -3, atol=2 ** -9) if fp8
+                         else dict(rtol=ulp.get(out_dtype, 2 ** -10), atol=1e-5))
             torch.testing.assert_close(lean.double().reshape(-1, head_dim), expected, **tolerance)
 
 

@@ -1,8 +1,8 @@
 """What an output dtype costs the product: the same merge (bf16 partials, base-e LSE,
 split-major rows) writing bf16, fp16, float32 and FP8 e4m3fn (with a per-tensor scale and
 without), each with the auto choice and with one fixed Few config, beside the read probe.
-fp16 writes the bytes bf16 does through the lean kernel's any-output instance, so
-fp16 - bf16 is that instance's cost apart from bytes.
+fp16 writes the bytes bf16 does, so fp16 - bf16 is what the output's code costs apart
+from bytes (each output dtype has its own instance of the lean Few kernel).
 
     python -P benchmarks/lab/lab_outputs.py [--out DIR]
 

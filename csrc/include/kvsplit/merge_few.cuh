@@ -215,7 +215,7 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
 // the call (few_lean_call). The general kernel serves the same calls with
 // the same results (the same rounds in the same order); what it adds for the
 // others (a loop over passes, 64-bit row arithmetic, branches to the
-// pass-through rows, sinks, an output-dtype switch and FP8 scaling) costs a
+// pass-through rows, sinks, output-dtype branches and FP8 scaling) costs a
 // decode-sized launch about half a microsecond and a large L2-resident one
 // over half its time (benchmarks/lab/lab_fixed.py). Its body is a device
 // function so that the kernel lab can build it under other launch bounds.

@@ -1,23 +1,29 @@
-"""Per-launch time of each kvsplit.compat adapter next to the same merge in split-major layout.
+"""Per-launch time of each kvsplit.compat adapter next to the plain API on the same tensors,
+and next to the same merge in split-major layout.
 
 Run on a GPU machine:  python -P benchmarks/bench_adapters.py [--out DIR]
 
 Shapes are decode and chunked-prefill ones: tokens x heads rows, head_dim
-128 and 512, N partials. For each shape every adapter that takes it and the
+128 and 512, N partials. For each shape every adapter that takes it,
+``kvsplit.merge_lse`` on the adapter's own tensors (the engine's layout,
+the merged LSE returned as the adapter returns it: "NAME plain"), and the
 plain split-major ``kvsplit.merge_lse`` (partials (N, rows, D), LSE (N,
-rows), same dtypes, the dispatcher's config), with and without exporting
-the merged LSE (the adapters all return it, so the ratios are against the
-"+lse" baseline), are captured into CUDA graphs
-and replayed in turns, L2-warm; microseconds per launch, median. Two-state
-adapters (FlashInfer merge_state and merge_state_in_place, vLLM) run at
-N = 2 only. Writes DIR/adapters.json and prints the markdown table of
-docs/benchmarks.md.
+rows), same dtypes, the dispatcher's config) with and without exporting
+the merged LSE are captured into CUDA graphs and replayed in turns,
+L2-warm; microseconds per launch, median. The first table's ratios are each
+adapter over the plain API on its tensors (what the adapter's layer costs);
+the second's over split-major "+lse" (what the engine's layout costs).
+Two-state adapters (FlashInfer merge_state and merge_state_in_place, vLLM)
+run at N = 2 only; merge_state_in_place has no plain twin (the plain API
+does not export stats over its inputs). Writes DIR/adapters.json and prints
+the markdown tables of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import time
 
@@ -50,6 +56,8 @@ def _launches(tokens: int, heads: int, head_dim: int, n: int):
     v_fi = v.permute(1, 0, 2, 3).contiguous()
     s_fi = s.permute(1, 0, 2).contiguous()
     lau["flashinfer.merge_states"] = lambda i: flashinfer.merge_states(v_fi, s_fi)
+    lau["flashinfer.merge_states plain"] = lambda i: kvsplit.merge_lse(
+        v_fi.transpose(0, 1), s_fi.transpose(0, 1), base=2.0, return_lse=True)
     # FlashAttention 3: float32 partials, LSE contiguous along seqlen (here tokens).
     o32 = v.float().view(n, 1, tokens, heads, head_dim)
     s_fa = s.permute(0, 2, 1).contiguous().permute(0, 2, 1).view(n, 1, tokens, heads)
@@ -59,10 +67,14 @@ def _launches(tokens: int, heads: int, head_dim: int, n: int):
                                                                return_lse=True)
     lau["flash_attn.combine"] = lambda i: flash_attn.flash_attn_combine(
         o32, s_fa, out_dtype=torch.bfloat16)
+    lau["flash_attn.combine plain"] = lambda i: kvsplit.merge_lse(  # its one batch as tokens
+        o32[:, 0], s_fa[:, 0], base=math.e, out_dtype=torch.bfloat16, return_lse=True)
     if n == 2:
         a, b = v[0].clone(), v[1].clone()
         sa, sb = s[0].clone(), s[1].clone()
         lau["flashinfer.merge_state"] = lambda i: flashinfer.merge_state(a, sa, b, sb)
+        lau["flashinfer.merge_state plain"] = lambda i: kvsplit.merge_lse(
+            [a, b], [sa, sb], base=2.0, return_lse=True)
         ia, isa = a.clone(), sa.clone()
         lau["flashinfer.merge_state_in_place"] = (
             lambda i: flashinfer.merge_state_in_place(ia, isa, b, sb))
@@ -71,6 +83,8 @@ def _launches(tokens: int, heads: int, head_dim: int, n: int):
         lse_hm = torch.empty(heads, tokens, **dev)
         lau["vllm.merge_attn_states"] = lambda i: vllm.merge_attn_states(out3, a, hm_a, b, hm_b,
                                                                          lse_hm)
+        lau["vllm.merge_attn_states plain"] = lambda i: kvsplit.merge_lse(
+            [a, b], [hm_a.t(), hm_b.t()], base=math.e, out=out3, return_lse=True)
     return lau
 
 
@@ -98,7 +112,34 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adapters.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                         "results": results}, indent=1))
+    print(plain_table(results))
+    print()
     print(table(results))
+
+
+def plain_table(results) -> str:
+    """Each adapter over the plain API on the same tensors."""
+    adapters = ["flashinfer.merge_states", "flashinfer.merge_state", "vllm.merge_attn_states",
+                "flash_attn.combine"]
+    lines = ["| D | N | tokens x heads | " + " | ".join(
+                 f"{a} | plain | x" for a in adapters) + " |",
+             "|---" * (3 + 3 * len(adapters)) + "|"]
+    worst = {}
+    for r in results:
+        us, cells = r["us"], []
+        for a in adapters:
+            if a not in us or f"{a} plain" not in us:
+                cells.append(" |  | ")
+                continue
+            ratio = us[a] / us[f"{a} plain"]
+            worst[a] = max(worst.get(a, 0.0), ratio)
+            cells.append(f"{us[a]:.2f} | {us[f'{a} plain']:.2f} | {ratio:.2f}")
+        lines.append(f"| {r['head_dim']} | {r['num_splits']} | {r['tokens']}x{r['heads']} | "
+                     + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Worst adapter / plain API on the same tensors: " + ", ".join(
+        f"{a} {w:.3f}" for a, w in worst.items()))
+    return "\n".join(lines)
 
 
 def table(results) -> str:

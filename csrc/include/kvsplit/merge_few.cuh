@@ -22,8 +22,8 @@
 //
 // The depth and `vectors` are template arguments (a thread's loads live in
 // registers): the pairs of config.h's FewDepths x FewVectors that
-// few_loads_fit, seven per (partial dtype, stats format), each as two lean kernels
-// (the partials' dtype out, any output) and the general one (few_lean_kernel below
+// few_loads_fit, seven per (partial dtype, stats format), each as five lean
+// kernels (one per output dtype) and the general one (few_lean_kernel below
 // says which calls take which).
 #pragma once
 
@@ -410,23 +410,21 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
         } else {
-          // One instance per output dtype (the five of dtype_pair_supported).
-          auto kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kBFloat16>;
-          switch (p.out_dtype) {
-            case DType::kFloat16:
-              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat16>;
-              break;
-            case DType::kFloat32:
-              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat32>;
-              break;
-            case DType::kFloat8E4M3FN:
-              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>;
-              break;
-            case DType::kFloat8E4M3FNUZ:
-              kernel = few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FNUZ>;
-              break;
-            default: break;
-          }
+          // One instance per output dtype, indexed by its code (check_problem
+          // admits these five).
+          static_assert(static_cast<int>(DType::kBFloat16) == 0 &&
+                            static_cast<int>(DType::kFloat16) == 1 &&
+                            static_cast<int>(DType::kFloat32) == 2 &&
+                            static_cast<int>(DType::kFloat8E4M3FN) == 3 &&
+                            static_cast<int>(DType::kFloat8E4M3FNUZ) == 4,
+                        "the lean kernels below are in DType order");
+          void (*const kernels[])(MergeParams, FewGeometry) = {
+              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kBFloat16>,
+              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat16>,
+              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat32>,
+              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>,
+              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FNUZ>};
+          const auto kernel = kernels[static_cast<int>(p.out_dtype)];
           error = cudaLaunchKernelEx(&launch.config, kernel, lean, geo);
         }
       } else {

@@ -357,7 +357,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 16: case 17: case 18: {
       MergeParams lean;
       uint32_t heads = 1;
-      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), lean, heads)) {
+      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
         return -1;
       }
       FewGeometry lean_geo = geo;
@@ -370,7 +370,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 19: case 20: case 21: case 22: case 23: case 24: {
       MergeParams lean;
       uint32_t heads = 1;
-      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), lean, heads)) {
+      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
         return -1;
       }
       FewGeometry lean_geo = geo;

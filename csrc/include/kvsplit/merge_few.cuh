@@ -212,13 +212,14 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
 // way. Every row merges all num_splits states (no row mask, split counts,
 // indptr or pass-through rows), rows are (token, head) with a stride each per
 // tensor, no sinks, no per-group FP8 scales, and one pass of the grid covers
-// the call (few_lean_call). The general kernel serves the same calls with
-// the same results (the same rounds in the same order); what it adds for the
-// others (a loop over passes, 64-bit row arithmetic, branches to the
-// pass-through rows, sinks, output-dtype branches and FP8 scaling) costs a
-// decode-sized launch about half a microsecond and a large L2-resident one
-// over half its time (benchmarks/lab/lab_fixed.py). Its body is a device
-// function so that the kernel lab can build it under other launch bounds.
+// the call, whose states fit one round (few_lean_call). The general kernel
+// serves the same calls with the same results (the same round); what it adds
+// for the others (rounds and passes in loops, 64-bit row arithmetic,
+// branches to the pass-through rows, sinks, output-dtype branches and FP8
+// scaling) costs a decode-sized launch about half a microsecond and a large
+// L2-resident one over half its time (benchmarks/lab/lab_fixed.py). Its body
+// is a device function so that the kernel lab can build it under other
+// launch bounds.
 // The output dtype is a template argument (kOut; FP8 with the call's
 // per-tensor scale or none), so that its store is straight-line code:
 // branches on a runtime dtype at the end of a merge this short cost each
@@ -251,18 +252,13 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
                               head * static_cast<int32_t>(p.stats_row.head));
   MergeState<kElems> state;
   state.reset();
-  const int count = active ? static_cast<int>(p.num_splits) : 0;
-  // The first round outside the loop: most calls have no other.
-  merge_few_round<kDepth, kVectors, kPartial, kFormat>(state, o, s, count, p.o_stride_split,
-                                                       p.stats_stride_split, lanes * kVec, holds,
-                                                       p.log2_scale, p.empty_stat);
-  for (int done = kDepth; done < count; done += kDepth) {
-    o += kDepth * p.o_stride_split;
-    s += kDepth * p.stats_stride_split;
-    merge_few_round<kDepth, kVectors, kPartial, kFormat>(
-        state, o, s, count - done, p.o_stride_split, p.stats_stride_split, lanes * kVec, holds,
-        p.log2_scale, p.empty_stat);
-  }
+  // One round: the call's states fit it (few_lean_call). A loop over further
+  // rounds would hold 8-57 more registers a thread through the first (ptxas,
+  // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
+  // four states and two vectors), fewer CTAs an SM at large row counts.
+  merge_few_round<kDepth, kVectors, kPartial, kFormat>(
+      state, o, s, active ? static_cast<int>(p.num_splits) : 0, p.o_stride_split,
+      p.stats_stride_split, lanes * kVec, holds, p.log2_scale, p.empty_stat);
   pdl_trigger();
 
   float out[kElems], log2_rel;
@@ -374,9 +370,9 @@ inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& le
           fold_batches(p.out_stats_row, batches, p.seqlen, lean.out_stats_row));
 }
 
-inline bool few_lean_call(const MergeParams& p, int64_t threads, MergeParams& lean,
+inline bool few_lean_call(const MergeParams& p, int64_t threads, int depth, MergeParams& lean,
                           uint32_t& heads) {
-  if (!few_lean_rows(p, threads, lean, heads)) return false;
+  if (p.num_splits > depth || !few_lean_rows(p, threads, lean, heads)) return false;
   const int64_t tokens = p.rows / heads;
   return row_offsets_fit(lean.o_row, tokens, heads, p.head_dim) &&
          row_offsets_fit(lean.stats_row, tokens, heads, 2) &&
@@ -395,7 +391,8 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                      p.indptr == nullptr && p.pass_through_tokens == INT64_MAX;
   MergeParams lean;
   uint32_t heads = 1;
-  const bool is_lean = few_lean_call(p, p.rows * lanes, lean, heads);
+  const int depth = few_depth(p.num_splits, config.vectors);
+  const bool is_lean = few_lean_call(p, p.rows * lanes, depth, lean, heads);
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
                         p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
                         plain, FastDivmod(heads)};
@@ -403,7 +400,7 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                    stream, pdl);
   Status status;
   cudaError_t error = cudaSuccess;
-  KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
+  KVSPLIT_DISPATCH_FEW_DEPTH(depth, kDepth, status, {
     KVSPLIT_DISPATCH_FEW_VECTORS(config.vectors, kVectors, status, {
       if constexpr (few_loads_fit(kDepth, kVectors)) {
         if (!is_lean) {

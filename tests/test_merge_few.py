@@ -360,10 +360,11 @@ def layouts(num_splits, tokens, heads, head_dim, gen, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("vectors", [1, 2, 4])
 def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch):
-    """A call with nothing but states to merge takes the lean kernel; the same call with
-    every row's split count at the call's takes the general one. Both merge the same rounds
-    in the same order: the same bits, output and exported LSE, in every layout, against the
-    float64 reference."""
+    """A call with nothing but states to merge, all in one round, takes the lean kernel; the
+    same call with every row's split count at the call's takes the general one, which also
+    takes the calls of several rounds (5, 16 and 19 states with 2 or 4 vectors, 19 with 1). Both
+    merge the same rounds in the same order: the same bits, output and exported LSE, in
+    every layout, against the float64 reference."""
     config = KernelConfig.few(vectors)
     pin(monkeypatch, config)
     for num_splits in (2, 5, 16, 19):
@@ -393,8 +394,8 @@ def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch)
 def test_other_output_dtypes_take_the_lean_kernel_with_the_general_ones_bits(
         device, partial_dtype, out_dtype, scaled, vectors, monkeypatch):
     """An output dtype other than the partials' takes the lean kernel's instance for that
-    dtype (FP8 with a per-tensor scale or none); with every row's split count given, the
-    same call takes the general kernel. The same bits in every layout, and the float64
+    dtype (FP8 with a per-tensor scale or none; e4m3fnuz takes the general kernel both
+    times); with every row's split count given, the same call takes the general kernel. The same bits in every layout, and the float64
     reference (FP8: divided by the scale, if any, and quantized the same way) within one
     step of the output format. Head dims 80 and 96 with 1, 2 and 4 vectors a thread give
     rows of an even number of threads (float32 outputs of 16-bit partials stored in lane

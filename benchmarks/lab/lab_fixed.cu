@@ -32,6 +32,15 @@
 //            6 or 4 CTAs of 256 threads an SM (at most 32, 40 or 64
 //            registers; the product asks for 1 and takes 55), launched
 //            with <<<>>> on the product's grid.
+//   lconst / lnoloop / lfin / lnochk / lexit / lbare
+//            the product's lean merge (bf16, base-2 LSE, two states, one
+//            vector, bf16 out) with one of its parts made as bare has it,
+//            to split product - bare where it grows with the rows: the
+//            round's live count a constant (its loads unpredicated:
+//            lconst), no loop over further rounds (lnoloop), the general
+//            finalize (lfin), no in-place sync, export or vector check
+//            (lnochk), threads past the rows leaving before any load
+//            (lexit); lbare: all five.
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -124,6 +133,61 @@ template <int kMinCtas>
 __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const MergeParams p,
                                                                      const FewGeometry geo) {
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p, geo);
+}
+
+// The product's lean merge for these calls (flat rows, bf16, base-2 LSE, two
+// states, one vector, bf16 out), each bit of kParts a part made as bare has
+// it: 1 a constant live count, 2 no further rounds, 4 the general finalize,
+// 8 no in-place sync, export or vector check, 16 an early exit.
+template <int kParts>
+__global__ void __launch_bounds__(256, 1) lean_parts_kernel(const MergeParams p,
+                                                            const FewGeometry geo) {
+  constexpr bool kConstLive = kParts & 1, kNoLoop = kParts & 2, kGeneralFinalize = kParts & 4;
+  constexpr bool kNoChecks = kParts & 8, kEarlyExit = kParts & 16;
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row = geo.lanes.div(thread);
+  const int lanes = static_cast<int>(geo.lanes.divisor);
+  const int lane = static_cast<int>(thread - row * geo.lanes.divisor);
+  const auto token = static_cast<int32_t>(geo.heads.div(row));
+  const auto head = static_cast<int32_t>(row - token * geo.heads.divisor);
+  const bool active = row < p.rows;
+  if (kEarlyExit && !active) return;
+  bool holds[1] = {kNoChecks || lane < geo.row_vectors};
+  pdl_wait();
+  const __nv_bfloat16* o = static_cast<const __nv_bfloat16*>(p.partial_o) +
+                           (token * static_cast<int32_t>(p.o_row.token) +
+                            head * static_cast<int32_t>(p.o_row.head) + lane * kVec);
+  const float* s = p.stats + (token * static_cast<int32_t>(p.stats_row.token) +
+                              head * static_cast<int32_t>(p.stats_row.head));
+  MergeState<kVec> state;
+  state.reset();
+  const int count = kConstLive ? 2 : active ? static_cast<int>(p.num_splits) : 0;
+  merge_few_round<2, 1, DType::kBFloat16, StatsFormat::kLse>(
+      state, o, s, count, p.o_stride_split, p.stats_stride_split, lanes * kVec, holds,
+      p.log2_scale, p.empty_stat);
+  if (!kNoLoop) {
+    for (int done = 2; done < count; done += 2) {
+      o += 2 * p.o_stride_split;
+      s += 2 * p.stats_stride_split;
+      merge_few_round<2, 1, DType::kBFloat16, StatsFormat::kLse>(
+          state, o, s, count - done, p.o_stride_split, p.stats_stride_split, lanes * kVec, holds,
+          p.log2_scale, p.empty_stat);
+    }
+  }
+  pdl_trigger();
+  float out[kVec], log2_rel;
+  const float total = kGeneralFinalize ? state.finalize(neg_inf(), p.log2_scale, out, log2_rel)
+                                       : state.finalize_lse(out, log2_rel);
+  if (!kNoChecks && p.stats_in_place) __syncwarp();
+  if (!kEarlyExit && !active) return;
+  if (!holds[0]) return;
+  const int32_t out_row =
+      token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
+  store_out<kVec, DType::kBFloat16>(p.out, out_row + lane * kVec, out);
+  if (!kNoChecks && lane == 0 && p.out_stats != nullptr) {
+    export_stats<StatsFormat::kLse>(p, state, RowIndex{0, token, head}, total, neg_inf(),
+                                    log2_rel, nullptr);
+  }
 }
 
 // A two-state merge written out: each thread loads both LSEs and its piece
@@ -252,7 +316,7 @@ using namespace kvsplit;
 
 // variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product, 7 hand16, 8 hand8,
 // 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
-// 18 lean4. Split-major
+// 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -293,7 +357,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 16: case 17: case 18: {
       MergeParams lean;
       uint32_t heads = 1;
-      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), lean, heads)) {
+      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
         return -1;
       }
       FewGeometry lean_geo = geo;
@@ -301,6 +365,20 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       void (*const kernels[])(MergeParams, FewGeometry) = {
           lean_bounded_kernel<8>, lean_bounded_kernel<6>, lean_bounded_kernel<4>};
       kernels[variant - 16]<<<grid, block, 0, stream>>>(lean, lean_geo);
+      break;
+    }
+    case 19: case 20: case 21: case 22: case 23: case 24: {
+      MergeParams lean;
+      uint32_t heads = 1;
+      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
+        return -1;
+      }
+      FewGeometry lean_geo = geo;
+      lean_geo.heads = FastDivmod(heads);
+      void (*const kernels[])(MergeParams, FewGeometry) = {
+          lean_parts_kernel<1>, lean_parts_kernel<2>, lean_parts_kernel<4>,
+          lean_parts_kernel<8>, lean_parts_kernel<16>, lean_parts_kernel<31>};
+      kernels[variant - 19]<<<grid, block, 0, stream>>>(lean, lean_geo);
       break;
     }
     default: {

@@ -22,9 +22,9 @@
 //
 // The depth and `vectors` are template arguments (a thread's loads live in
 // registers): the pairs of config.h's FewDepths x FewVectors that
-// few_loads_fit, seven per (partial dtype, stats format), each as five lean
-// kernels (one per output dtype) and the general one (few_lean_kernel below
-// says which calls take which).
+// few_loads_fit, seven per (partial dtype, stats format), each as four lean
+// kernels (one per output dtype but e4m3fnuz) and the general one
+// (few_lean_kernel below says which calls take which).
 #pragma once
 
 #include <cstdint>
@@ -51,16 +51,19 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
   static_assert(kElems == kVec * kVectors, "a thread's state spans its vectors");
   Packed<kBytesPerThread> packed[kDepth][kVectors];
   float m_in[kDepth], l_in[kDepth];
+  // State addresses by increments: written as o + j * o_step, ptxas reloaded
+  // the base and stride from constant memory for each predicated load, which
+  // spread the issue of sixteen states' loads over 300 instructions (sm_90a).
+  const auto* state_o = o;
+  const float* stat = s;
 #pragma unroll
-  for (int j = 0; j < kDepth; ++j) {
+  for (int j = 0; j < kDepth; ++j, state_o += o_step, stat += s_step) {
     const bool on = j < live;
-    const auto* state_o = o + j * o_step;
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
       packed[j][u] = on && holds[u] ? load_packed<kBytesPerThread>(state_o + u * vector_step)
                                     : Packed<kBytesPerThread>{};
     }
-    const float* stat = s + j * s_step;
     const float m_raw = on ? __ldg(stat) : neg_inf();
     l_in[j] = kFormat == StatsFormat::kMaxSum ? (on ? __ldg(stat + 1) : 0.f) : 1.f;
     m_in[j] = m_raw != empty_stat ? m_raw : neg_inf();
@@ -212,13 +215,14 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
 // way. Every row merges all num_splits states (no row mask, split counts,
 // indptr or pass-through rows), rows are (token, head) with a stride each per
 // tensor, no sinks, no per-group FP8 scales, and one pass of the grid covers
-// the call (few_lean_call). The general kernel serves the same calls with
-// the same results (the same rounds in the same order); what it adds for the
-// others (a loop over passes, 64-bit row arithmetic, branches to the
-// pass-through rows, sinks, output-dtype branches and FP8 scaling) costs a
-// decode-sized launch about half a microsecond and a large L2-resident one
-// over half its time (benchmarks/lab/lab_fixed.py). Its body is a device
-// function so that the kernel lab can build it under other launch bounds.
+// the call, whose states fit one round (few_lean_call). The general kernel
+// serves the same calls with the same results (the same round); what it adds
+// for the others (rounds and passes in loops, 64-bit row arithmetic,
+// branches to the pass-through rows, sinks, output-dtype branches and FP8
+// scaling) costs a decode-sized launch about half a microsecond and a large
+// L2-resident one over half its time (benchmarks/lab/lab_fixed.py). Its body
+// is a device function so that the kernel lab can build it under other
+// launch bounds.
 // The output dtype is a template argument (kOut; FP8 with the call's
 // per-tensor scale or none), so that its store is straight-line code:
 // branches on a runtime dtype at the end of a merge this short cost each
@@ -251,18 +255,13 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
                               head * static_cast<int32_t>(p.stats_row.head));
   MergeState<kElems> state;
   state.reset();
-  const int count = active ? static_cast<int>(p.num_splits) : 0;
-  // The first round outside the loop: most calls have no other.
-  merge_few_round<kDepth, kVectors, kPartial, kFormat>(state, o, s, count, p.o_stride_split,
-                                                       p.stats_stride_split, lanes * kVec, holds,
-                                                       p.log2_scale, p.empty_stat);
-  for (int done = kDepth; done < count; done += kDepth) {
-    o += kDepth * p.o_stride_split;
-    s += kDepth * p.stats_stride_split;
-    merge_few_round<kDepth, kVectors, kPartial, kFormat>(
-        state, o, s, count - done, p.o_stride_split, p.stats_stride_split, lanes * kVec, holds,
-        p.log2_scale, p.empty_stat);
-  }
+  // One round: the call's states fit it (few_lean_call). A loop over further
+  // rounds would hold 8-57 more registers a thread through the first (ptxas,
+  // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
+  // four states and two vectors), fewer CTAs an SM at large row counts.
+  merge_few_round<kDepth, kVectors, kPartial, kFormat>(
+      state, o, s, active ? static_cast<int>(p.num_splits) : 0, p.o_stride_split,
+      p.stats_stride_split, lanes * kVec, holds, p.log2_scale, p.empty_stat);
   pdl_trigger();
 
   float out[kElems], log2_rel;
@@ -351,8 +350,11 @@ inline bool row_offsets_fit(const RowStrides& s, int64_t tokens, int64_t heads, 
 // head), each row's offsets within 32 bits, and `heads` the heads per token.
 inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& lean,
                           uint32_t& heads) {
+  // e4m3fnuz outputs (converted in software) take the general kernel: lean
+  // instances of their own were an eighth of the extension's machine code.
   if (p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
       p.pass_through_tokens != INT64_MAX || p.sinks != nullptr || p.group_scales != nullptr ||
+      p.out_dtype == DType::kFloat8E4M3FNUZ ||
       threads > kFewMaxGridThreads || p.heads < 1 || p.heads > INT32_MAX || p.seqlen < 1) {
     return false;
   }
@@ -374,9 +376,9 @@ inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& le
           fold_batches(p.out_stats_row, batches, p.seqlen, lean.out_stats_row));
 }
 
-inline bool few_lean_call(const MergeParams& p, int64_t threads, MergeParams& lean,
+inline bool few_lean_call(const MergeParams& p, int64_t threads, int depth, MergeParams& lean,
                           uint32_t& heads) {
-  if (!few_lean_rows(p, threads, lean, heads)) return false;
+  if (p.num_splits > depth || !few_lean_rows(p, threads, lean, heads)) return false;
   const int64_t tokens = p.rows / heads;
   return row_offsets_fit(lean.o_row, tokens, heads, p.head_dim) &&
          row_offsets_fit(lean.stats_row, tokens, heads, 2) &&
@@ -395,7 +397,8 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                      p.indptr == nullptr && p.pass_through_tokens == INT64_MAX;
   MergeParams lean;
   uint32_t heads = 1;
-  const bool is_lean = few_lean_call(p, p.rows * lanes, lean, heads);
+  const int depth = few_depth(p.num_splits, config.vectors);
+  const bool is_lean = few_lean_call(p, p.rows * lanes, depth, lean, heads);
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
                         p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
                         plain, FastDivmod(heads)};
@@ -403,27 +406,26 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                    stream, pdl);
   Status status;
   cudaError_t error = cudaSuccess;
-  KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
+  KVSPLIT_DISPATCH_FEW_DEPTH(depth, kDepth, status, {
     KVSPLIT_DISPATCH_FEW_VECTORS(config.vectors, kVectors, status, {
       if constexpr (few_loads_fit(kDepth, kVectors)) {
         if (!is_lean) {
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
         } else {
-          // One instance per output dtype, indexed by its code (check_problem
-          // admits these five).
+          // One instance per output dtype, indexed by its code: the four
+          // that check_problem admits but e4m3fnuz, which few_lean_rows sends
+          // to the general kernel.
           static_assert(static_cast<int>(DType::kBFloat16) == 0 &&
                             static_cast<int>(DType::kFloat16) == 1 &&
                             static_cast<int>(DType::kFloat32) == 2 &&
-                            static_cast<int>(DType::kFloat8E4M3FN) == 3 &&
-                            static_cast<int>(DType::kFloat8E4M3FNUZ) == 4,
+                            static_cast<int>(DType::kFloat8E4M3FN) == 3,
                         "the lean kernels below are in DType order");
           void (*const kernels[])(MergeParams, FewGeometry) = {
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kBFloat16>,
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat16>,
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat32>,
-              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>,
-              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FNUZ>};
+              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>};
           const auto kernel = kernels[static_cast<int>(p.out_dtype)];
           error = cudaLaunchKernelEx(&launch.config, kernel, lean, geo);
         }

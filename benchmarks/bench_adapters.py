@@ -103,7 +103,7 @@ def main() -> None:
                 for launch in launches.values():  # first use: tuning, launches
                     launch(0)
                 torch.cuda.synchronize()
-                times = time_cuda_graphs(launches, batch=16, replays=11)
+                times = time_cuda_graphs(launches, batch=32, replays=31)
                 results.append({"head_dim": head_dim, "num_splits": n, "tokens": tokens,
                                 "heads": heads,
                                 "us": {name: t.median_us for name, t in times.items()}})

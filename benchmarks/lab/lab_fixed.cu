@@ -354,7 +354,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       kernels[variant - 12]<<<grid, block, 0, stream>>>(small, lanes_log2);
       break;
     }
-    case 16: case 17: case 18: {
+    case 16: case 17: case 18: case 19: case 20: case 21: case 22: case 23: case 24: {
       MergeParams lean;
       uint32_t heads = 1;
       if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
@@ -363,22 +363,10 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       FewGeometry lean_geo = geo;
       lean_geo.heads = FastDivmod(heads);
       void (*const kernels[])(MergeParams, FewGeometry) = {
-          lean_bounded_kernel<8>, lean_bounded_kernel<6>, lean_bounded_kernel<4>};
+          lean_bounded_kernel<8>, lean_bounded_kernel<6>, lean_bounded_kernel<4>,
+          lean_parts_kernel<1>,   lean_parts_kernel<2>,   lean_parts_kernel<4>,
+          lean_parts_kernel<8>,   lean_parts_kernel<16>,  lean_parts_kernel<31>};
       kernels[variant - 16]<<<grid, block, 0, stream>>>(lean, lean_geo);
-      break;
-    }
-    case 19: case 20: case 21: case 22: case 23: case 24: {
-      MergeParams lean;
-      uint32_t heads = 1;
-      if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
-        return -1;
-      }
-      FewGeometry lean_geo = geo;
-      lean_geo.heads = FastDivmod(heads);
-      void (*const kernels[])(MergeParams, FewGeometry) = {
-          lean_parts_kernel<1>, lean_parts_kernel<2>, lean_parts_kernel<4>,
-          lean_parts_kernel<8>, lean_parts_kernel<16>, lean_parts_kernel<31>};
-      kernels[variant - 19]<<<grid, block, 0, stream>>>(lean, lean_geo);
       break;
     }
     default: {

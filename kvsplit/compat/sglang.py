@@ -23,9 +23,13 @@ from ..validation import LSE
 
 __all__ = ["merge_state", "merge_state_v2"]
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# (v_a, s_a, v_b, s_b, v_merged, s_merged); the output may be either state itself.
-_FORM = call_form([ROLES.PARTIAL_O, ROLES.STATS, ROLES.PARTIAL_O, ROLES.STATS, ROLES.OUT,
-                   ROLES.OUT_STATS], in_place=True)
+# (v_a, s_a, v_b, s_b, v_merged, s_merged); the output may be either state itself. One
+# form (registry of layouts seen) per function: the dispatcher takes output dtypes that
+# merge_state_v2 refuses, so a layout one has launched must not pass the other's checks.
+_ROLES = [ROLES.PARTIAL_O, ROLES.STATS, ROLES.PARTIAL_O, ROLES.STATS, ROLES.OUT,
+          ROLES.OUT_STATS]
+_FORM_V2 = call_form(_ROLES, in_place=True)
+_FORM_DISPATCHER = call_form(_ROLES, in_place=True)
 
 
 def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None:
@@ -68,13 +72,13 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
                              f"{tuple(s_merged.shape)}")
 
 
-def _merge_pair(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype):
+def _merge_pair(form, names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype):
     if isinstance(v_a, torch.Tensor) and isinstance(s_a, torch.Tensor):
         if v_merged is None:
             v_merged = torch.empty_like(v_a)
         if s_merged is None:
             s_merged = torch.empty_like(s_a, dtype=torch.float32)
-        if call_fast(_FORM, v_a, s_a, v_b, s_b, v_merged, s_merged):  # a layout seen before
+        if call_fast(form, v_a, s_a, v_b, s_b, v_merged, s_merged):  # a layout seen before
             return v_merged, s_merged
     _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype)
     args = (v_a, s_a, v_b, s_b, v_merged, s_merged)
@@ -98,7 +102,7 @@ def _merge_pair(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype):
                empty_stat=math.inf, stats_in_place=in_place,
                names=(("o_parts", (na, nb)), ("s_parts", (sa, sb)), ("out", nv),
                       ("out_stats", ns)),
-               register=None if copied else (_FORM, on_b) + args)
+               register=None if copied else (form, on_b) + args)
     return v_merged, s_merged
 
 
@@ -124,8 +128,10 @@ def merge_state_v2(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b:
     -------
     (v_merged, s_merged). Both states empty: 0 and -inf (SGLang: NaN).
     """
-    return _merge_pair(("v_a", "s_a", "v_b", "s_b", "v_merged", "s_merged"), v_a, s_a, v_b, s_b,
-                       v_merged, s_merged, any_out_dtype=False)
+    if v_merged is not None and call_fast(_FORM_V2, v_a, s_a, v_b, s_b, v_merged, s_merged):
+        return v_merged, s_merged  # outputs given, a layout seen before
+    return _merge_pair(_FORM_V2, ("v_a", "s_a", "v_b", "s_b", "v_merged", "s_merged"), v_a, s_a,
+                       v_b, s_b, v_merged, s_merged, any_out_dtype=False)
 
 
 def merge_state(prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
@@ -140,6 +146,7 @@ def merge_state(prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
     states' dtype). FP8 states and head sizes that are not a multiple of 16 bytes,
     which SGLang sends to its Triton kernel, are refused.
     """
-    return _merge_pair(("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output",
-                        "output_lse"), prefix_output, prefix_lse, suffix_output, suffix_lse,
-                       output, output_lse, any_out_dtype=True)
+    return _merge_pair(_FORM_DISPATCHER, ("prefix_output", "prefix_lse", "suffix_output",
+                                          "suffix_lse", "output", "output_lse"),
+                       prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
+                       any_out_dtype=True)

@@ -144,6 +144,20 @@ def test_sglang_bad_input_is_refused_in_sglang_terms(case):
 # --- xFormers --------------------------------------------------------------------------
 
 
+def test_sglang_merge_state_v2_refuses_what_the_dispatcher_took():
+    """The dispatcher converts on store; merge_state_v2 takes only v_a's dtype. A layout the
+    dispatcher has launched (and so registered for repeated calls) is still refused by v2."""
+    g = gen("sglang-v2-after-dispatcher")
+    v, s = states(2, (5, 3), 64, torch.bfloat16, g)
+    out = torch.empty(5, 3, 64, dtype=torch.float32)
+    out_lse = torch.empty(5, 3)
+    for _ in range(2):  # the second call takes the per-call path
+        merged, lse = sglang.merge_state(v[0], s[0], v[1], s[1], out, out_lse)
+    assert_close(merged, lse, *reference(v, s, math.e, inf_is_empty=True))
+    with pytest.raises(TypeError, match="v_merged must have dtype torch.bfloat16"):
+        sglang.merge_state_v2(v[0], s[0], v[1], s[1], out, out_lse)
+
+
 def xformers_chunks(num_chunks, batch, seqlen, groups, heads, head_dim, dtype, g, *, pad=0):
     """Stacked chunks [C, B, M, (G,) H, K] and LSE [C, B, (G,) H, M] (a view of a buffer padded
     along M, as xFormers' partial attention returns it), plus the reference's layout."""

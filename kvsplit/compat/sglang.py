@@ -72,8 +72,18 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
                              f"{tuple(s_merged.shape)}")
 
 
+def _given(form, v_a, s_a, v_b, s_b, v_merged, s_merged) -> bool:
+    """Whether a call given both outputs was launched on the per-call path (a layout seen
+    before); the public functions try it before anything else."""
+    return (v_merged is not None and s_merged is not None
+            and call_fast(form, v_a, s_a, v_b, s_b, v_merged, s_merged))
+
+
 def _merge_pair(form, names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype):
-    if isinstance(v_a, torch.Tensor) and isinstance(s_a, torch.Tensor):
+    """The call that _given did not launch: outputs allocated where missing, then the
+    per-call path for those, else checks, plan and launch."""
+    if ((v_merged is None or s_merged is None)
+            and isinstance(v_a, torch.Tensor) and isinstance(s_a, torch.Tensor)):
         if v_merged is None:
             v_merged = torch.empty_like(v_a)
         if s_merged is None:
@@ -128,8 +138,8 @@ def merge_state_v2(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b:
     -------
     (v_merged, s_merged). Both states empty: 0 and -inf (SGLang: NaN).
     """
-    if v_merged is not None and call_fast(_FORM_V2, v_a, s_a, v_b, s_b, v_merged, s_merged):
-        return v_merged, s_merged  # outputs given, a layout seen before
+    if _given(_FORM_V2, v_a, s_a, v_b, s_b, v_merged, s_merged):
+        return v_merged, s_merged
     return _merge_pair(_FORM_V2, ("v_a", "s_a", "v_b", "s_b", "v_merged", "s_merged"), v_a, s_a,
                        v_b, s_b, v_merged, s_merged, any_out_dtype=False)
 
@@ -146,6 +156,9 @@ def merge_state(prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
     states' dtype). FP8 states and head sizes that are not a multiple of 16 bytes,
     which SGLang sends to its Triton kernel, are refused.
     """
+    if _given(_FORM_DISPATCHER, prefix_output, prefix_lse, suffix_output, suffix_lse, output,
+              output_lse):
+        return output, output_lse
     return _merge_pair(_FORM_DISPATCHER, ("prefix_output", "prefix_lse", "suffix_output",
                                           "suffix_lse", "output", "output_lse"),
                        prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,

@@ -6,10 +6,13 @@ the scalars and the ``KVSPLIT_*`` variables) validates it in full
 its launch in the launch table (:mod:`kvsplit.launches`). Every later call of
 that layout reads the same metadata again to find the launch, so a call whose tensors changed in any way is
 validated again; what depends on addresses (alignment, aliasing) is checked on
-every call. A call with ``out`` given and no exported stats whose layout was
-seen before takes the binding's per-call path (csrc/fast_call.cpp), which
-reads the same metadata in C through torch's DLPack exchange table, makes the
-same per-call checks and launches; any call it does not serve comes back here. Parts held in separate tensors (a list) go through
+every call. A call without options (no ``out_dtype``, FP8 scales, pass-through
+rows or ``indptr``) whose layout was seen before, stacked or in two parts,
+with ``out`` given or allocated, exporting its stats or not, takes the
+binding's per-call path (csrc/fast_call.cpp), which reads the same metadata in
+C through torch's DLPack exchange table, makes the same per-call checks and
+launches; any call it does not serve comes back here. Parts held in separate
+tensors (a list) and calls with options go through
 :func:`kvsplit._call.merge_call`, the adapters' entry.
 
 Both functions are also registered as ``torch.library`` custom ops
@@ -36,27 +39,95 @@ _current_stream = _kernel.current_stream
 _call_fast, _call_add = _kernel.call_fast, _kernel.call_add
 _is_compiling = torch.compiler.is_compiling
 
-# The public calls' forms: (partial_o, stats, scalar, sinks, split_counts, out, kv_split);
-# the maxsum scale is per call, the LSE base keys the layout.
+# The public calls' forms: stacked partials (partial_o, stats, scalar, sinks, split_counts,
+# out, out_stats, kv_split) and two parts held apart (o_0, o_1, stats_0, stats_1, scalar,
+# ...); out_stats is the exported stats that return_stats allocates (None without). The
+# maxsum scale is per call, the LSE base keys the layout.
 _R = _kernel.ROLES
 _DEFAULT_OUT = {dtype: outs[0] for dtype, outs in _OUT_DTYPES.items()}
-_FORMS = {fmt: _kernel.call_form([_R.PARTIAL_O, _R.STATS, scalar_role, _R.SINKS,
-                                  _R.SPLIT_COUNTS, _R.OUT, _R.KEY])
-          for fmt, scalar_role in ((MAXSUM, _R.SCALE), (LSE, _R.KEY))}
+_TAIL = [_R.SINKS, _R.SPLIT_COUNTS, _R.OUT, _R.OUT_STATS, _R.KEY]
+_SCALARS = ((MAXSUM, _R.SCALE), (LSE, _R.KEY))
+_FORMS = {fmt: _kernel.call_form([_R.PARTIAL_O, _R.STATS, scalar, *_TAIL])
+          for fmt, scalar in _SCALARS}
+_PART_FORMS = {fmt: _kernel.call_form([_R.PARTIAL_O, _R.PARTIAL_O, _R.STATS, _R.STATS, scalar,
+                                       *_TAIL])
+               for fmt, scalar in _SCALARS}
 
 
-def _fresh(partial_o) -> Optional[torch.Tensor]:
-    """The output a call without ``out`` allocates (the partials' default out dtype), or None
-    when ``partial_o`` is not a tensor of a partial dtype (validation will say)."""
-    if type(partial_o) is not torch.Tensor or partial_o.dtype not in _DEFAULT_OUT:
+def _two_parts(partial_o, stats) -> bool:
+    return (type(partial_o) in (list, tuple) and len(partial_o) == 2
+            and type(stats) in (list, tuple) and len(stats) == 2)
+
+
+def _outputs(fmt, partial_o, stats, out, out_dtype, return_stats):
+    """``(out, out_stats)`` of a call without options that the per-call path may serve:
+    ``out`` as given or allocated (``out_dtype``, else the partials' default), the exported
+    stats allocated when asked for; None when ``partial_o`` is neither a tensor nor two
+    parts of a partial dtype, or ``out_dtype`` is not one of its outputs (the Python path
+    validates). Two parts' outputs are made like their first part's (``empty_like``: the
+    cheapest allocation)."""
+    if type(partial_o) is torch.Tensor:
+        first = None
+        dtype = partial_o.dtype
+    elif (_two_parts(partial_o, stats) and type(partial_o[0]) is torch.Tensor
+          and type(stats[0]) is torch.Tensor):
+        first = partial_o[0]
+        dtype = first.dtype
+    else:
         return None
-    return torch.empty(partial_o.shape[1:], dtype=_DEFAULT_OUT[partial_o.dtype],
-                       device=partial_o.device)
+    if out is None:
+        allowed = _OUT_DTYPES.get(dtype, ())
+        if out_dtype is None and allowed:
+            out_dtype = allowed[0]
+        elif out_dtype not in allowed:
+            return None
+        out = (torch.empty(partial_o.shape[1:], dtype=out_dtype, device=partial_o.device)
+               if first is None else
+               torch.empty_like(first, dtype=out_dtype, memory_format=torch.contiguous_format))
+    if not return_stats:
+        return out, None
+    if first is not None:
+        return out, torch.empty_like(stats[0], dtype=torch.float32,
+                                     memory_format=torch.contiguous_format)
+    rows = partial_o.shape[1:-1]
+    return out, torch.empty((*rows, 2) if fmt == MAXSUM else rows, dtype=torch.float32,
+                            device=partial_o.device)
 
 
-def _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split) -> bool:
+def _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+                kv_split) -> bool:
     """The binding's per-call path for a public call (False: not served there)."""
-    return _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts, out, kv_split)
+    if type(partial_o) is torch.Tensor:
+        return _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts, out,
+                          out_stats, kv_split)
+    return _two_parts(partial_o, stats) and _call_fast(
+        _PART_FORMS[fmt], *partial_o, *stats, scalar, sinks, split_counts, out, out_stats,
+        kv_split)
+
+
+def _public(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_dtype, return_stats,
+            kv_split):
+    """A public call without options but ``out_dtype`` (no FP8 scales, pass-through rows or
+    indptr; ``out_dtype`` only without ``out``): served by the per-call path, else stacked
+    partials through :func:`_merge` and two parts through the general call, both
+    registered for it; None for the others (the caller validates)."""
+    out_stats = None
+    if out is None or return_stats:
+        outputs = _outputs(fmt, partial_o, stats, out, out_dtype, return_stats)
+        if outputs is None:
+            return None
+        out, out_stats = outputs
+    if _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, kv_split):
+        return (out, out_stats) if return_stats else out
+    if type(partial_o) is torch.Tensor:
+        return _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
+                      kv_split)
+    if not _two_parts(partial_o, stats):
+        return None
+    return merge_call(fmt, partial_o, stats, scalar, sinks=sinks, split_counts=split_counts,
+                      out=out, out_stats=out_stats, kv_split=kv_split,
+                      register=(_PART_FORMS[fmt], False, *partial_o, *stats, scalar, sinks,
+                                split_counts, out, out_stats, kv_split))
 
 
 def _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
@@ -126,30 +197,28 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
     fresh_out = out is None
     if fresh_out:
         out = torch.empty(layout.out_shape, dtype=layout.out_dtype, device=layout.device)
-    if return_stats:
-        out_stats = torch.empty(layout.stats_shape, dtype=torch.float32, device=layout.device)
-        _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
-                fresh_out)
-        return out, out_stats
-    _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, fresh_out)
+    out_stats = (torch.empty(layout.stats_shape, dtype=torch.float32, device=layout.device)
+                 if return_stats else None)
+    _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+            fresh_out)
     if not fresh_out or _DEFAULT_OUT.get(partial_o.dtype) == out.dtype:
-        # An allocated out registers as given: the next call allocates the same (_fresh).
+        # Allocated outputs register as given: the next call allocates the same (_outputs).
         _remember(layout, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                  kv_split)
-    return out
+                  out_stats, kv_split)
+    return (out, out_stats) if return_stats else out
 
 
 def _remember(layout: LayoutLaunch, generation: int, fmt, partial_o, stats, scalar, sinks,
-              split_counts, out, kv_split) -> None:
-    """Hands a cached layout launch that just ran (``out`` given, no exported stats) to the
-    binding's per-call path, which serves the layout's later calls (csrc/fast_call.cpp).
+              split_counts, out, out_stats, kv_split) -> None:
+    """Hands a cached layout launch that just ran to the binding's per-call path, which
+    serves the layout's later calls (csrc/fast_call.cpp).
 
     Not when the launch table was cleared meanwhile (a refresh from another thread:
     the launch may be stale), and not for a launch that was not kept.
     """
     if layout.call is not None and layout.cacheable and _launches.generation == generation:
         _call_add(layout.call, False, _FORMS[fmt], partial_o, stats, scalar, sinks, split_counts,
-                  out, kv_split)
+                  out, out_stats, kv_split)
 
 
 def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
@@ -157,7 +226,7 @@ def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_sta
     """The custom ops' eager body: ``out`` (and ``out_stats``) given; ``kv_split`` 0 = choose."""
     kv_split = kv_split or None
     if out_stats is None and _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                                         kv_split):
+                                         None, kv_split):
         return
     generation = _launches.generation
     layout = _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out,
@@ -165,7 +234,7 @@ def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_sta
     _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, False)
     if out_stats is None:
         _remember(layout, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                  kv_split)
+                  None, kv_split)
 
 
 @torch.library.custom_op("kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))
@@ -266,11 +335,13 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     non-empty split is 0 with stats (-inf, 0). No input may require grad
     while grad mode is on (there is no backward).
     """
-    if not return_stats and not _is_compiling():
-        given = out if out is not None else _fresh(partial_o) if out_dtype is None else None
-        if given is not None and _fast_merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks,
-                                             split_counts, given, kv_split):
-            return given
+    if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
+            and pass_through_from is None and indptr is None
+            and (out is None or out_dtype is None) and not _is_compiling()):
+        served = _public(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_dtype,
+                         return_stats, kv_split)
+        if served is not None:
+            return served
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
                       indptr)
     if extras is not None or isinstance(partial_o, (list, tuple)):
@@ -309,11 +380,13 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     Tensor, or (Tensor, Tensor) with ``return_lse``. A row with no non-empty
     split is 0 with LSE -inf.
     """
-    if not return_lse and not _is_compiling():
-        given = out if out is not None else _fresh(partial_o) if out_dtype is None else None
-        if given is not None and _fast_merge(LSE, partial_o, partial_lse, base, sinks,
-                                             split_counts, given, kv_split):
-            return given
+    if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
+            and pass_through_from is None and indptr is None
+            and (out is None or out_dtype is None) and not _is_compiling()):
+        served = _public(LSE, partial_o, partial_lse, base, sinks, split_counts, out, out_dtype,
+                         return_lse, kv_split)
+        if served is not None:
+            return served
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
                       indptr)
     if extras is not None or isinstance(partial_o, (list, tuple)):

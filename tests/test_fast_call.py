@@ -264,6 +264,96 @@ def test_the_custom_op_eager_body_uses_the_binding_too(merge_kit, device):
     assert_merged(merge_kit, out, partial_o, lse)
 
 
+CALLS = ["stacked, LSE returned", "stacked, stats returned", "stacked, out_dtype float32",
+         "two parts, out given", "two parts, out allocated", "two parts, LSE returned"]
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_calls_that_export_stats_or_hold_two_parts_are_served_by_the_binding(merge_kit, device,
+                                                                            call):
+    """The second call of a layout exporting its stats, writing another out dtype, or in two
+    parts is the binding's, and merges fresh values as the float64 reference does."""
+    fmt = "maxsum" if "stats returned" in call else "lse2"
+    gen = merge_kit.generator("fast-served", call)
+    num_splits = 2 if "parts" in call else 5
+    heads, head_dim = 6, 96
+
+    def merge(o, s):
+        if "parts" in call:
+            o, s = [o[0].clone(), o[1].clone()], [s[0].clone(), s[1].clone()]
+            out = (torch.empty(heads, head_dim, dtype=torch.bfloat16, device=device)
+                   if "out given" in call else None)
+            return lambda: kvsplit.merge_lse(o, s, out=out, return_lse="LSE" in call), o, s
+        if fmt == "maxsum":
+            return lambda: kvsplit.merge_maxsum(o, s, 0.9, return_stats=True), o, s
+        if "out_dtype" in call:
+            return lambda: kvsplit.merge_lse(o, s, out_dtype=torch.float32), o, s
+        return lambda: kvsplit.merge_lse(o, s, return_lse=True), o, s
+
+    partial_o, stats = merge_kit.partials(fmt, num_splits, heads, head_dim, torch.bfloat16, gen)
+    run, held_o, held_s = merge(partial_o.to(device), stats.to(device))
+    run()  # the Python path: validates, launches, registers
+    fresh_o, fresh_s = merge_kit.partials(fmt, num_splits, heads, head_dim, torch.bfloat16, gen)
+    for i in range(num_splits):
+        held_o[i].copy_(fresh_o[i])
+        held_s[i].copy_(fresh_s[i])
+    before = hits()
+    result = run()
+    assert hits() == before + 1
+    out, out_stats = result if isinstance(result, tuple) else (result, None)
+    sync(device)
+    ref_out, ref_stats = merge_kit.reference(fmt, fresh_o, fresh_s, scale=0.9)
+    assert out.dtype == (torch.float32 if "out_dtype" in call else torch.bfloat16)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2 ** -8, atol=1e-5)
+    if out_stats is not None:
+        torch.testing.assert_close(out_stats.cpu().double(), ref_stats.float().double(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("option", ["pass_through_from", "indptr", "out_scale"])
+def test_an_option_is_never_served_by_a_plain_calls_launch(merge_kit, device, option):
+    """A call with an option after plain calls of the same tensors (whose launch the binding
+    holds) gets the option: pass-through rows, variable-length states, an FP8 scale."""
+    gen = merge_kit.generator("fast-option", option)
+    tokens, heads, head_dim = 5, 4, 64
+    partial_o, lse = merge_kit.partials("lse2", 2, tokens * heads, head_dim, torch.bfloat16, gen)
+    o = partial_o.view(2, tokens, heads, head_dim).to(device)
+    s = lse.view(2, tokens, heads).to(device)
+    merged, _ = merge_kit.reference("lse2", partial_o, lse)
+    merged = merged.view(tokens, heads, head_dim)
+    if option == "out_scale":
+        out = torch.empty(tokens, heads, head_dim, dtype=torch.float8_e4m3fn, device=device)
+        for _ in range(2):
+            kvsplit.merge_lse(o, s, out=out)  # FP8 out at scale 1, registered
+        scale = torch.tensor([0.25])
+        kvsplit.merge_lse(o, s, out=out, out_scale=scale.to(device))
+        expected = (merged / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+        got = out.cpu().double()
+        # within one e4m3 step of the reference rounded the same way
+        assert ((got - expected).abs() <= expected.abs() * 2 ** -3 + 2 ** -9).all()
+        return
+    if option == "pass_through_from":
+        out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16, device=device)
+        for _ in range(2):
+            kvsplit.merge_lse(o, s, out=out)
+        kvsplit.merge_lse(o, s, out=out, pass_through_from=2)
+        expected = torch.cat([merged[:2], o[1, 2:].cpu().double()])
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2 ** -8, atol=1e-5)
+        return
+    # indptr over the same (states, rows, D) tensor: token t merges states indptr[t]..
+    states = o.view(2, tokens * heads, head_dim)[:, :heads]  # 2 states of 4 heads
+    states_lse = s.view(2, tokens * heads)[:, :heads]
+    for _ in range(2):
+        kvsplit.merge_lse(states, states_lse)  # out allocated, registered
+    indptr = torch.tensor([0, 1, 1, 2], dtype=torch.int64, device=device)
+    out = kvsplit.merge_lse(states, states_lse, indptr=indptr)
+    assert out.shape == (3, heads, head_dim)
+    sync(device)
+    alone = [merge_kit.reference("lse2", states[i:i + 1], states_lse[i:i + 1])[0] for i in (0, 1)]
+    expected = torch.stack([alone[0], torch.zeros(heads, head_dim, dtype=torch.float64), alone[1]])
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2 ** -8, atol=1e-5)
+
+
 def test_fast_init_refuses_what_is_not_an_exchange_table():
     ext = _kernel._ext
     assert ext.fast_init(None, torch.Tensor, torch.is_grad_enabled) is False

@@ -18,12 +18,16 @@ the dispatcher's choice are made by the warm-up), ``out`` given:
   merge_lse, out allocated the public call without ``out`` (one torch.empty);
   <engine> <op>            each kvsplit.compat adapter on a two-state merge of
                            tokens=1, heads=8, D=64 (bf16; FA3 float32) with the
-                           engine's layouts: the ones that take their outputs
-                           given compare with merge_lse, the ones that allocate
-                           (as the engine's op does) with "out allocated".
-All variants are timed in turns, two rounds, the median of five samples in
-the better round. GPU shape: D=512 rows=64 N=16 bf16 maxsum; CPU shape
-(the CPU implementation): D=64 rows=1 N=1 bf16 lse.
+                           engine's layouts, and "<engine> <op> plain": the
+                           public kvsplit call on the same tensors (the same
+                           views, outputs given where the adapter takes them,
+                           allocated where it allocates), so that the
+                           difference is what the adapter's layer costs.
+All variants are timed in turns, eight rounds (each a warm-up and five samples
+of 1000 calls), the lowest round median kept: neighbours in the table run
+within microseconds of each other, so that a drifting host touches them alike.
+GPU shape: D=512 rows=64 N=16 bf16 maxsum; CPU shape (the CPU implementation):
+D=64 rows=1 N=1 bf16 lse.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def variants(device: str):
         f"{name}, Python path": lambda: merge._merge(fmt, o, stats, scalar, None, None, out,
                                                       False, None),
         "  of which: binding's per-call path": lambda: merge._fast_merge(
-            fmt, o, stats, scalar, None, None, out, None),
+            fmt, o, stats, scalar, None, None, out, None, None),
     }
     if device == "cuda":
         raw_stream = torch._C._cuda_getCurrentRawStream
@@ -119,38 +123,53 @@ def adapter_calls(device: str) -> dict:
     plain_o = stacked_o.view(2, tokens * heads, head_dim)
     plain_s = stacked_s.view(2, tokens * heads)
     plain_out = torch.empty(tokens * heads, head_dim, dtype=torch.bfloat16, device=device)
+    po_list, pl_list, s_ab = [po, so], [pl.t(), sl.t()], [s_a, s_b]
+    fa_parts, fa_lse = fa_o[:, 0], fa_s[:, 0]
+    fi_vt, fi_st = fi_v.transpose(0, 1), fi_s.transpose(0, 1)
+    x_parts, x_lse = x_o[:, 0], x_s[:, 0].transpose(-1, -2)
+    e = math.e
     return {
         "merge_lse, 2 states, out given": lambda: kvsplit.merge_lse(plain_o, plain_s,
                                                                     out=plain_out),
         "merge_lse, 2 states, out allocated": lambda: kvsplit.merge_lse(plain_o, plain_s),
         "vllm merge_attn_states": lambda: vllm.merge_attn_states(out, po, pl, so, sl),
-        "vllm merge_attn_states + lse": lambda: vllm.merge_attn_states(out, po, pl, so, sl,
-                                                                       out_lse),
+        "vllm merge_attn_states plain": lambda: kvsplit.merge_lse(po_list, pl_list, base=e,
+                                                                  out=out),
         "sglang merge_state_v2, outs given": lambda: sglang.merge_state_v2(po, s_a, so, s_b,
                                                                            v_m, s_m),
+        "sglang merge_state_v2, outs given plain": lambda: kvsplit.merge_lse(
+            po_list, s_ab, base=e, out=v_m),
         "flashinfer merge_state_in_place": lambda: flashinfer.merge_state_in_place(
             v_m, s_m, so, s_b),
         "flashinfer merge_state (allocates)": lambda: flashinfer.merge_state(po, s_a, so, s_b),
+        "flashinfer merge_state (allocates) plain": lambda: kvsplit.merge_lse(
+            po_list, s_ab, base=2.0, return_lse=True),
         "flashinfer merge_states (allocates)": lambda: flashinfer.merge_states(fi_v, fi_s),
+        "flashinfer merge_states (allocates) plain": lambda: kvsplit.merge_lse(
+            fi_vt, fi_st, base=2.0, return_lse=True),
         "fa3 flash_attn_combine (allocates)": lambda: flash_attn.flash_attn_combine(fa_o, fa_s),
+        "fa3 flash_attn_combine (allocates) plain": lambda: kvsplit.merge_lse(
+            fa_parts, fa_lse, base=e, out_dtype=torch.float32, return_lse=True),
         "xformers merge_attentions (allocates)": lambda: xformers.merge_attentions(x_o, x_s),
+        "xformers merge_attentions (allocates) plain": lambda: kvsplit.merge_lse(
+            x_parts, x_lse, base=e, return_lse=True),
     }
 
 
-def measure(table: dict, device: str, calls: int = 20000) -> dict[str, float]:
+def measure(table: dict, device: str, rounds: int = 8, calls: int = 1000) -> dict[str, float]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     result: dict[str, float] = {}
-    for _ in range(2):  # two rounds in turn: no variant pays the warm-up alone
+    for _ in range(rounds):  # in turns: no variant pays the warm-up or a slow spell alone
         for name, fn in table.items():
-            for _ in range(500):
+            for _ in range(200):
                 fn()
             sync()
             samples = []
             for _ in range(5):
                 begin = time.perf_counter()
-                for _ in range(calls // 5):
+                for _ in range(calls):
                     fn()
-                samples.append((time.perf_counter() - begin) * 1e6 / (calls // 5))
+                samples.append((time.perf_counter() - begin) * 1e6 / calls)
                 sync()
             result[name] = min(result.get(name, math.inf), sorted(samples)[2])
     return result
@@ -172,14 +191,11 @@ def main() -> int:
     over_add = result[merge_name] / result["aten out.add_(0)"]
     print(f"  {merge_name} - raw binding = {over_raw:.2f} us; "
           f"{merge_name} / add_ = {over_add:.2f}x")
-    given = result["merge_lse, 2 states, out given"]
-    allocated = result["merge_lse, 2 states, out allocated"]
-    print("  adapters against the plain call (same process, same run):")
+    print("  adapters against the public call on the same tensors (same process, in turns):")
     for name, us in result.items():
-        if name.split()[0] in ("vllm", "sglang", "flashinfer", "fa3", "xformers"):
-            base = allocated if "allocates" in name else given
-            print(f"    {name:38s} {us - base:+6.2f} us vs merge_lse "
-                  f"({'out allocated' if 'allocates' in name else 'out given'})")
+        if f"{name} plain" in result:
+            plain = result[f"{name} plain"]
+            print(f"    {name:38s} {us:6.2f} us, plain {plain:6.2f} us: {us - plain:+5.2f} us")
     print(f"  fast path served {_kernel.fast_info()['hits']} calls (enabled: {_kernel.FAST_CALL})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

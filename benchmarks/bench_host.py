@@ -77,8 +77,8 @@ def variants(device: str):
         f"{name}(kv_split=1)": lambda: call(kv_split=1),
         f"{name}, Python path": lambda: merge._merge(fmt, o, stats, scalar, None, None, out,
                                                       False, None),
-        "  of which: binding's per-call path": lambda: merge._fast_merge(
-            fmt, o, stats, scalar, None, None, out, None, None),
+        "  of which: binding's per-call path": lambda: merge._call_fast(
+            merge._FORMS[fmt], o, stats, scalar, None, None, out, None, None),
     }
     if device == "cuda":
         raw_stream = torch._C._cuda_getCurrentRawStream

@@ -81,7 +81,8 @@ def _outputs(fmt, partial_o, stats, out, out_dtype, return_stats):
             out_dtype = allowed[0]
         elif out_dtype not in allowed:
             return None
-        out = (torch.empty(partial_o.shape[1:], dtype=out_dtype, device=partial_o.device)
+        # Sizes as integers: torch.empty parses a torch.Size about a microsecond slower.
+        out = (torch.empty(*partial_o.shape[1:], dtype=out_dtype, device=partial_o.device)
                if first is None else
                torch.empty_like(first, dtype=out_dtype, memory_format=torch.contiguous_format))
     if not return_stats:
@@ -89,27 +90,16 @@ def _outputs(fmt, partial_o, stats, out, out_dtype, return_stats):
     if first is not None:
         return out, torch.empty_like(stats[0], dtype=torch.float32,
                                      memory_format=torch.contiguous_format)
-    rows = partial_o.shape[1:-1]
-    return out, torch.empty((*rows, 2) if fmt == MAXSUM else rows, dtype=torch.float32,
-                            device=partial_o.device)
-
-
-def _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
-                kv_split) -> bool:
-    """The binding's per-call path for a public call (False: not served there)."""
-    if type(partial_o) is torch.Tensor:
-        return _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts, out,
-                          out_stats, kv_split)
-    return _two_parts(partial_o, stats) and _call_fast(
-        _PART_FORMS[fmt], *partial_o, *stats, scalar, sinks, split_counts, out, out_stats,
-        kv_split)
+    rows = (*partial_o.shape[1:-1], 2) if fmt == MAXSUM else partial_o.shape[1:-1]
+    return out, torch.empty(*rows, dtype=torch.float32, device=partial_o.device) if rows else \
+        torch.empty((), dtype=torch.float32, device=partial_o.device)
 
 
 def _public(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_dtype, return_stats,
             kv_split):
     """A public call without options but ``out_dtype`` (no FP8 scales, pass-through rows or
-    indptr; ``out_dtype`` only without ``out``): served by the per-call path, else stacked
-    partials through :func:`_merge` and two parts through the general call, both
+    indptr; ``out_dtype`` only without ``out``): served by the binding's per-call path, else
+    stacked partials through :func:`_merge` and two parts through the general call, both
     registered for it; None for the others (the caller validates)."""
     out_stats = None
     if out is None or return_stats:
@@ -117,13 +107,17 @@ def _public(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_dtype, 
         if outputs is None:
             return None
         out, out_stats = outputs
-    if _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, kv_split):
-        return (out, out_stats) if return_stats else out
     if type(partial_o) is torch.Tensor:
+        if _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts, out, out_stats,
+                      kv_split):
+            return (out, out_stats) if return_stats else out
         return _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats,
                       kv_split)
     if not _two_parts(partial_o, stats):
         return None
+    if _call_fast(_PART_FORMS[fmt], *partial_o, *stats, scalar, sinks, split_counts, out,
+                  out_stats, kv_split):
+        return (out, out_stats) if return_stats else out
     return merge_call(fmt, partial_o, stats, scalar, sinks=sinks, split_counts=split_counts,
                       out=out, out_stats=out_stats, kv_split=kv_split,
                       register=(_PART_FORMS[fmt], False, *partial_o, *stats, scalar, sinks,
@@ -225,8 +219,8 @@ def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_sta
                 kv_split) -> None:
     """The custom ops' eager body: ``out`` (and ``out_stats``) given; ``kv_split`` 0 = choose."""
     kv_split = kv_split or None
-    if out_stats is None and _fast_merge(fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                                         None, kv_split):
+    if out_stats is None and _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts,
+                                        out, None, kv_split):
         return
     generation = _launches.generation
     layout = _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out,
@@ -338,8 +332,12 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
             and pass_through_from is None and indptr is None
             and (out is None or out_dtype is None) and not _is_compiling()):
-        served = _public(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_dtype,
-                         return_stats, kv_split)
+        if (out is not None and not return_stats and type(partial_o) is torch.Tensor
+                and _call_fast(_FORMS[MAXSUM], partial_o, partial_stats, scale_log2, sinks,
+                               split_counts, out, None, kv_split)):
+            return out  # the commonest call, without a frame more
+        served = _public(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
+                         out_dtype, return_stats, kv_split)
         if served is not None:
             return served
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
@@ -383,6 +381,10 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
             and pass_through_from is None and indptr is None
             and (out is None or out_dtype is None) and not _is_compiling()):
+        if (out is not None and not return_lse and type(partial_o) is torch.Tensor
+                and _call_fast(_FORMS[LSE], partial_o, partial_lse, base, sinks, split_counts, out,
+                               None, kv_split)):
+            return out  # the commonest call, without a frame more
         served = _public(LSE, partial_o, partial_lse, base, sinks, split_counts, out, out_dtype,
                          return_lse, kv_split)
         if served is not None:

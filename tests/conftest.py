@@ -251,7 +251,7 @@ def chosen_kv_split(monkeypatch):
 
     monkeypatch.setattr(merge_module, "_launch", spy)
     # Every call through the Python path, so that the spy sees each launch.
-    monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
+    monkeypatch.setattr(merge_module, "_call_fast", lambda *args: False)
     return chosen
 
 

@@ -91,7 +91,7 @@ def test_the_binding_computes_what_the_python_path_computes(merge_kit, device, m
     kvsplit.merge_maxsum(partial_o, stats, 0.7, **kwargs)
     assert hits() == before + 1
     fast = out.clone()
-    monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
+    monkeypatch.setattr(merge_module, "_call_fast", lambda *args: False)
     out.zero_()
     kvsplit.merge_maxsum(partial_o, stats, 0.7, **kwargs)
     assert torch.equal(fast, out)

@@ -113,7 +113,7 @@ def kernel_ks(monkeypatch):
 
     monkeypatch.setattr(merge_module, "_launch", spy_launch)
     # Every call through the Python path, so that the spy sees each launch.
-    monkeypatch.setattr(merge_module, "_fast_merge", lambda *args: False)
+    monkeypatch.setattr(merge_module, "_call_fast", lambda *args: False)
     yield SimpleNamespace(ks=ks, use=use)
     dispatch_module.dispatcher.launches.clear()
 

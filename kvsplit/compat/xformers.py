@@ -78,11 +78,11 @@ def _one_layout(chunks: list[torch.Tensor], align: int) -> bool:
 
 
 def _outputs(shape, dtype, device, write_lse):
-    """attn_out [B, M, (G,) H, K] and lse_out [B, (G,) H, M] (None without write_lse)."""
-    shape = tuple(shape)
-    attn_out = torch.empty(shape, dtype=dtype, device=device)
-    lse_out = (torch.empty(shape[:1] + shape[2:-1] + shape[1:2], dtype=torch.float32,
-                           device=device) if write_lse else None)
+    """attn_out [B, M, (G,) H, K] and lse_out [B, (G,) H, M] (None without write_lse); sizes
+    as integers (torch.empty parses a tuple or torch.Size slower)."""
+    attn_out = torch.empty(*shape, dtype=dtype, device=device)
+    lse_out = (torch.empty(shape[0], *shape[2:-1], shape[1], dtype=torch.float32, device=device)
+               if write_lse else None)
     return attn_out, lse_out
 
 

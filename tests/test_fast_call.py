@@ -354,6 +354,67 @@ def test_an_option_is_never_served_by_a_plain_calls_launch(merge_kit, device, op
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2 ** -8, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["maxsum", "lse2"])
+@pytest.mark.parametrize("layout", ["stacked", "two parts"])
+@pytest.mark.parametrize("out_given", [True, False], ids=["out", "no out"])
+@pytest.mark.parametrize("returned", [True, False], ids=["stats", "no stats"])
+@pytest.mark.parametrize("option", [None, "pass_through_from", "out_dtype"])
+def test_every_call_variant_merges_alike_on_every_path(merge_kit, device, monkeypatch, fmt,
+                                                       layout, out_given, returned, option):
+    """A public call's first call (validated), later calls (the binding's, where it serves
+    them) and calls with the per-call path off give the same bits, and match the float64
+    reference, whatever mix of layout, outputs and options the call has."""
+    gen = merge_kit.generator("variants", fmt, layout, out_given, returned, option)
+    tokens, heads, head_dim = 3, 4, 64
+    partial_o, stats = merge_kit.partials(fmt, 2, tokens * heads, head_dim, torch.bfloat16, gen)
+    o = partial_o.view(2, tokens, heads, head_dim).to(device)
+    s = stats.view(2, tokens, heads, *stats.shape[2:]).to(device)
+    if layout == "two parts":
+        o, s = [o[0].clone(), o[1].clone()], [s[0].clone(), s[1].clone()]
+    out_dtype = torch.float32 if option == "out_dtype" else torch.bfloat16
+    out = torch.empty(tokens, heads, head_dim, dtype=out_dtype, device=device) if out_given else None
+    kwargs = dict(out=out)
+    if option == "pass_through_from":
+        kwargs["pass_through_from"] = 1
+    if option == "out_dtype" and not out_given:
+        kwargs["out_dtype"] = torch.float32
+    if fmt == "maxsum":
+        def call():
+            return kvsplit.merge_maxsum(o, s, 0.8, return_stats=returned, **kwargs)
+    else:
+        def call():
+            return kvsplit.merge_lse(o, s, base=2.0, return_lse=returned, **kwargs)
+
+    def run():
+        result = call()
+        out_, stats_ = result if returned else (result, None)
+        sync(device)
+        return out_.cpu().clone(), None if stats_ is None else stats_.cpu().clone()
+
+    first, second, third = run(), run(), run()
+    monkeypatch.setattr(merge_module, "_call_fast", lambda *args: False)
+    python = run()
+    for other in (second, third, python):
+        assert torch.equal(first[0], other[0])
+        assert (first[1] is None) == (other[1] is None)
+        if first[1] is not None:
+            assert torch.equal(first[1], other[1])
+    ref_out, ref_stats = merge_kit.reference(fmt, partial_o, stats, scale=0.8)
+    if option == "pass_through_from":
+        if fmt == "maxsum":
+            last_out, last_stats = merge_kit.reference(fmt, partial_o[1:], stats[1:], scale=0.8)
+        else:
+            last_out, last_stats = partial_o[1].double(), stats[1].double()
+        ref_out = torch.cat([ref_out[:heads], last_out[heads:]])
+        ref_stats = torch.cat([ref_stats[:heads], last_stats[heads:]])
+    assert first[0].dtype == out_dtype
+    torch.testing.assert_close(first[0].reshape(ref_out.shape).double(), ref_out, rtol=2 ** -8,
+                               atol=1e-5)
+    if returned:
+        torch.testing.assert_close(first[1].reshape(ref_stats.shape).double(),
+                                   ref_stats.float().double(), rtol=1e-5, atol=1e-6)
+
+
 def test_fast_init_refuses_what_is_not_an_exchange_table():
     ext = _kernel._ext
     assert ext.fast_init(None, torch.Tensor, torch.is_grad_enabled) is False

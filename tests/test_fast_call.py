@@ -462,6 +462,35 @@ def test_the_binding_captures_into_a_cuda_graph(merge_kit, cuda_device):
         assert_merged(merge_kit, out, fresh_o, fresh_lse)
 
 
+@pytest.mark.gpu
+def test_two_parts_returning_their_lse_capture_into_a_cuda_graph(merge_kit, cuda_device):
+    """The per-call path of a call in two parts that allocates its output and LSE, captured:
+    each replay merges the parts' fresh values into the outputs allocated at capture."""
+    gen = merge_kit.generator("capture-parts")
+    partial_o, lse = merge_kit.partials("lse2", 2, 48, 128, torch.bfloat16, gen)
+    parts = [partial_o[0].cuda(), partial_o[1].cuda()]
+    lses = [lse[0].cuda(), lse[1].cuda()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kvsplit.merge_lse(parts, lses, return_lse=True)  # launch and registration
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    before = hits()
+    with torch.cuda.graph(graph):
+        out, out_lse = kvsplit.merge_lse(parts, lses, return_lse=True)
+    assert hits() == before + 1
+    for _ in range(2):
+        fresh_o, fresh_lse = merge_kit.partials("lse2", 2, 48, 128, torch.bfloat16, gen)
+        for i in range(2):
+            parts[i].copy_(fresh_o[i])
+            lses[i].copy_(fresh_lse[i])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = merge_kit.reference("lse2", fresh_o, fresh_lse)
+        merge_kit.assert_matches_reference(out, out_lse, ref_out, ref_lse)
+
+
 def test_a_call_without_out_is_served_by_the_binding_too(merge_kit, device):
     """The output the call allocates registers like a given one: later calls allocate
     the same and are served by the binding, each a new tensor."""

@@ -18,7 +18,9 @@ the dispatcher's choice are made by the warm-up), ``out`` given:
   merge_lse, out allocated the public call without ``out`` (one torch.empty);
   <engine> <op>            each kvsplit.compat adapter on a two-state merge of
                            tokens=1, heads=8, D=64 (bf16; FA3 float32) with the
-                           engine's layouts, and "<engine> <op> plain": the
+                           engine's layouts (TensorRT-LLM's MLA merge: one
+                           request of every token, merged), and
+                           "<engine> <op> plain": the
                            public kvsplit call on the same tensors (the same
                            views, outputs given where the adapter takes them,
                            allocated where it allocates), so that the
@@ -101,7 +103,7 @@ def variants(device: str):
 
 def adapter_calls(device: str) -> dict:
     """{name: call} of each adapter at a two-state decode merge, outputs as its engine has them."""
-    from kvsplit.compat import flash_attn, flashinfer, sglang, vllm, xformers
+    from kvsplit.compat import flash_attn, flashinfer, sglang, trtllm, vllm, xformers
 
     g = torch.Generator().manual_seed(5)
     tokens, heads, head_dim = 1, 8, 64
@@ -128,7 +130,16 @@ def adapter_calls(device: str) -> dict:
     fi_vt, fi_st = fi_v.transpose(0, 1), fi_s.transpose(0, 1)
     x_parts, x_lse = x_o[:, 0], x_s[:, 0].transpose(-1, -2)
     e = math.e
+    # TensorRT-LLM: one request of every token, merged in place ((max, sum) stats).
+    trt_attn, trt_temp = po.clone(), so.clone()
+    trt_stats = torch.stack([s_a, 1 + s_b.abs()], -1).contiguous()
+    trt_temp_stats = trt_stats.clone()
+    trt_bounds = torch.tensor([0, tokens], device=device)
+    trt_ops = torch.ones(1, dtype=torch.int64, device=device)
     return {
+        "trtllm merge_chunked_attention_for_mla": lambda: trtllm.merge_chunked_attention_for_mla(
+            trt_attn, trt_temp, trt_stats, trt_temp_stats, 1, trt_bounds, tokens, trt_ops, heads,
+            head_dim),
         "merge_lse, 2 states, out given": lambda: kvsplit.merge_lse(plain_o, plain_s,
                                                                     out=plain_out),
         "merge_lse, 2 states, out allocated": lambda: kvsplit.merge_lse(plain_o, plain_s),

@@ -258,7 +258,9 @@ PYBIND11_MODULE(_ext, m) {
       .def_readwrite("quant_group", &MergeParams::quant_group)
       .def_readwrite("group_scales_stride", &MergeParams::group_scales_stride)
       .def_readwrite("scale_ue8m0", &MergeParams::scale_ue8m0)
-      .def_readwrite("indptr_int64", &MergeParams::indptr_int64);
+      .def_readwrite("indptr_int64", &MergeParams::indptr_int64)
+      .def_readwrite("num_requests", &MergeParams::num_requests)
+      .def_readwrite("pair_stats", &MergeParams::pair_stats);
   def_row_strides(params, "group_scales_row", &MergeParams::group_scales_row);
   def_enum_field(params, "group_scales_dtype", &MergeParams::group_scales_dtype);
   def_row_strides(params, "o_row", &MergeParams::o_row);

@@ -90,7 +90,7 @@ struct Setting {
 struct CallAddresses {
   std::vector<uintptr_t> o, s;  // one address a part (stacked: one)
   uintptr_t split_counts = 0, sinks = 0, out = 0, out_stats = 0, row_mask = 0, indptr = 0,
-            out_scale = 0, group_scales = 0;
+            out_scale = 0, group_scales = 0, request_starts = 0, request_ops = 0;
 };
 
 // Everything a launch of one call layout needs besides its addresses: the
@@ -103,7 +103,7 @@ struct CallPlan {
   bool in_place = false;  // out and out_stats are part 0's output and stats
   std::optional<float> log2_scale;  // fixed (LSE bases); maxsum: the call's scale
   // Bytes spanned: partial_o (one part), stats (one part), split_counts, sinks, out,
-  // out_stats, row_mask, indptr, out_scale, group_scales.
+  // out_stats, row_mask, indptr, out_scale, group_scales, request_starts, request_ops.
   std::vector<int64_t> extents;
   // The names the entry point's users know, same order (parts: one name each).
   std::vector<std::string> o_names, s_names;
@@ -117,7 +117,7 @@ struct CallPlan {
 namespace {
 
 enum Extent { kEO, kES, kECounts, kESinks, kEOut, kEOutStats, kEMask, kEIndptr, kEOutScale,
-              kEGroupScales, kExtents };
+              kEGroupScales, kERequestStarts, kERequestOps, kExtents };
 
 bool overlaps(uintptr_t a, int64_t a_bytes, uintptr_t b, int64_t b_bytes) {
   return a && b && a_bytes > 0 && b_bytes > 0 && a < b + static_cast<uintptr_t>(b_bytes) &&
@@ -179,7 +179,7 @@ void CallPlan::check(CallAddresses& a, int64_t& o_split, int64_t& s_split) const
   };
   const size_t n = parts ? parts : 1;
   std::vector<Span> inputs;
-  inputs.reserve(2 * n + 5);
+  inputs.reserve(2 * n + 7);
   for (size_t i = 0; i < n; ++i) inputs.push_back({&o_names[i], a.o[i], extents[kEO]});
   for (size_t i = 0; i < n; ++i) inputs.push_back({&s_names[i], a.s[i], extents[kES]});
   inputs.push_back({&names[kECounts], a.split_counts, extents[kECounts]});
@@ -187,6 +187,8 @@ void CallPlan::check(CallAddresses& a, int64_t& o_split, int64_t& s_split) const
   inputs.push_back({&names[kEMask], a.row_mask, extents[kEMask]});
   inputs.push_back({&names[kEIndptr], a.indptr, extents[kEIndptr]});
   inputs.push_back({&names[kEOutScale], a.out_scale, extents[kEOutScale]});
+  inputs.push_back({&names[kERequestStarts], a.request_starts, extents[kERequestStarts]});
+  inputs.push_back({&names[kERequestOps], a.request_ops, extents[kERequestOps]});
   const Span outputs[] = {{&names[kEOut], a.out, extents[kEOut]},
                           {&names[kEOutStats], a.out_stats, extents[kEOutStats]},
                           {&names[kEGroupScales], a.group_scales, extents[kEGroupScales]}};
@@ -219,6 +221,8 @@ void CallPlan::launch_at(const CallAddresses& a, float scale, int64_t o_split, i
   p.indptr = as_pointer<const void>(a.indptr);
   p.out_scale = as_pointer<const float>(a.out_scale);
   p.group_scales = as_pointer<void>(a.group_scales);
+  p.request_starts = as_pointer<const int64_t>(a.request_starts);
+  p.request_ops = as_pointer<const int64_t>(a.request_ops);
   p.o_stride_split = o_split;
   p.stats_stride_split = s_split;
   const KernelConfig config = launch.config;
@@ -629,6 +633,8 @@ void def_fast_call(py::module_& m) {
             a.indptr = at(others, 5);
             a.out_scale = at(others, 6);
             a.group_scales = at(others, 7);
+            a.request_starts = at(others, 8);
+            a.request_ops = at(others, 9);
             int64_t o_split = 0, s_split = 0;
             plan.check(a, o_split, s_split);
             plan.launch_at(a, scale, o_split, s_split, as_pointer<void>(stream));
@@ -637,7 +643,7 @@ void def_fast_call(py::module_& m) {
           py::arg("stream") = 0,
           "Checks these addresses (alignment, parts, in place, aliasing) and launches:\n"
           "o and stats one address per part, others (split_counts, sinks, out, out_stats, "
-          "row_mask, indptr, out_scale, group_scales), 0 absent");
+          "row_mask, indptr, out_scale, group_scales, request_starts, request_ops), 0 absent");
 
   static PyMethodDef methods[] = {
       {"call_fast", as_function(&call_fast), METH_FASTCALL,

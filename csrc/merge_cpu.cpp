@@ -94,6 +94,8 @@ void merge_batch_at(MergeState<kVec>& state, const MergeParams& p, StatsFormat f
     const float* stat = p.stats + split * p.stats_stride_split + p.stats_row.at(row);
     l_in[u] = format == StatsFormat::kMaxSum ? stat[1] : 1.f;
     m_in[u] = u < live && stat[0] != p.empty_stat ? stat[0] : neg_inf();
+    // (max, sum) pairs of normalised partials (MergeParams::pair_stats): LSE = max + ln(sum).
+    if (format == StatsFormat::kLse && p.pair_stats && u < live) m_in[u] += std::log(stat[1]);
     const int64_t base = split * p.o_stride_split + p.o_row.at(row) + col;
     for (int d = 0; d < kVec; ++d) o_in[u][d] = load_elem<kPartial>(p.partial_o, base + d);
   }
@@ -200,7 +202,8 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
   for (int64_t row = row_begin; row < row_end; ++row) {
     const RowIndex at = locate_row(p, row);
     if (!row_selected(p, at)) continue;
-    const SplitRange splits = row_splits(p, at, row);
+    SplitRange splits = row_splits(p, at, row);
+    if (p.request_starts != nullptr && !request_splits(p, row_token_major(p, at), splits)) continue;
     // A pass-through row: its split as it is, no sink, its raw stats exported.
     const float* pass_stats =
         splits.pass ? p.stats + splits.begin * p.stats_stride_split + p.stats_row.at(at) : nullptr;
@@ -239,6 +242,9 @@ void merge_rows(const MergeParams& p, const KernelConfig& config, int lanes, int
       } else {
         stats[0] = groups[0].exported_log2_total(sink_log2, p.log2_scale, log2_rel,
                                                  p.export_scale);
+      }
+      if (format == StatsFormat::kLse && p.pair_stats) {  // the pair's sum: 1, or as it is
+        stats[1] = pass_stats != nullptr ? pass_stats[1] : 1.f;
       }
     }
   }

@@ -171,6 +171,16 @@ def in_place_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, row
                             sm_count=sm_count)
 
 
+def few_only_config(config: KernelConfig, *, head_dim: int, elem_bytes: int,
+                    stats_in_place: bool) -> KernelConfig:
+    """``config`` for a call only the Few family runs (per-request ops, (max, sum) pair
+    stats): a Few config as it is (mended for an in-place export), any other the Few
+    config of one vector a thread, so mended."""
+    few = config if config.family == FEW else KernelConfig.few(1)
+    return few_mended(few, head_dim=head_dim, elem_bytes=elem_bytes,
+                      stats_in_place=stats_in_place) or few
+
+
 def group_quant_config(config: KernelConfig, *, head_dim: int, elem_bytes: int, rows: int,
                        num_splits: int, sm_count: int | None, quant_group: int) -> KernelConfig:
     """``config`` for a call with per-group FP8 scales: the lanes of one group of

@@ -51,8 +51,8 @@ from ..launches import ConfigRequest, LaunchTable
 from ..launches import table as launch_table
 from .refresh import Refresher, refresh_interval
 from .constraints import (DSPLIT_DEPTHS, DSPLIT_KV_SPLITS, DSPLIT_SLICES, FEW_VECTORS,
-                          KV_SPLITS, configs_for_key, constrain_config, group_quant_config,
-                          in_place_config, kvsplit_config)
+                          KV_SPLITS, configs_for_key, constrain_config, few_only_config,
+                          group_quant_config, in_place_config, kvsplit_config)
 from .device import DeviceFacts, device_facts
 from .keys import STATS_FORMATS, device_info, dtype_name, scattered_stats, tuning_key
 from . import InvalidSetting
@@ -503,7 +503,11 @@ def config_for_layout(request: ConfigRequest) -> tuple[KernelConfig, bool, bool]
                                       request.partial_dtype, request.out_dtype,
                                       request.stats_format, request.num_splits, request.rows,
                                       request.kv_split, scattered)
-    if request.stats_in_place or request.quant_group:
+    if request.few_only:
+        config = few_only_config(config, head_dim=request.head_dim,
+                                 elem_bytes=request.partial_dtype.itemsize,
+                                 stats_in_place=request.stats_in_place)
+    elif request.stats_in_place or request.quant_group:
         rules = dict(head_dim=request.head_dim, elem_bytes=request.partial_dtype.itemsize,
                      rows=request.rows, num_splits=request.num_splits,
                      sm_count=facts.sm_count if facts.is_cuda else None)

@@ -52,7 +52,9 @@ class _GeneralLaunch:
         self.call = self.layout.bind(parts=self.parts, in_place=stats_in_place,
                                      more_extents=(_extent(row_mask), _extent(extras.indptr),
                                                    _extent(extras.out_scale),
-                                                   _extent(extras.group_scales)),
+                                                   _extent(extras.group_scales),
+                                                   _extent(extras.request_starts),
+                                                   _extent(extras.request_ops)),
                                      names=dict(names) if names else None)
 
 
@@ -118,7 +120,8 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
         general.call(o_addresses, s_addresses,
                   (_address(split_counts), _address(sinks), out.data_ptr(), _address(out_stats),
                    _address(row_mask), _address(extras.indptr), _address(extras.out_scale),
-                   _address(extras.group_scales)), layout.log2_scale or float(scalar), stream)
+                   _address(extras.group_scales), _address(extras.request_starts),
+                   _address(extras.request_ops)), layout.log2_scale or float(scalar), stream)
         if register is not None and layout.cacheable and _launches.generation == generation:
             form, reverse, *args = register
             call_add(general.call, reverse, form, *args)

@@ -124,7 +124,8 @@ class Launch:
                  stats_in_place: bool = False, row_mask_stride: int = 1,
                  pass_through_tokens: int | None = None, group_scales: torch.Tensor | None = None,
                  quant_group: int = 0, ue8m0: bool = False,
-                 indptr_dtype: torch.dtype | None = None):
+                 indptr_dtype: torch.dtype | None = None, num_requests: int = 0,
+                 pair_stats: bool = False):
         params = _ext.MergeParams()
         row_shape = tuple(partial_o.shape[1:-1])
         rank = len(row_shape)
@@ -161,6 +162,7 @@ class Launch:
             params.group_scales_row = row_strides(row_shape, group_scales.stride()[:rank], heads)
             params.group_scales_stride = group_scales.stride(-1)
         params.indptr_int64 = indptr_dtype == torch.int64
+        params.num_requests, params.pair_stats = num_requests, pair_stats
         target = _ext.CudaTarget()
         device = partial_o.device
         self.is_cuda = device.type == "cuda"

@@ -38,6 +38,7 @@ class ConfigRequest(NamedTuple):
     stats_row_strides: tuple
     stats_in_place: bool  # an export into split 0's stats
     quant_group: int  # elements per FP8 scale of per-group scales; 0: none
+    few_only: bool = False  # per-request ops or pair stats: the Few family alone runs them
 
 
 #: ``choose(request) -> (config, cacheable, pdl)``: the kernel config, whether a launch
@@ -105,24 +106,28 @@ class LayoutLaunch:
             config, self.cacheable, pdl = choose(ConfigRequest(
                 device, head_dim, partial_o.dtype, out_dtype, fmt, key_splits or num_splits,
                 rows, kv_split or None, row_shape, tuple(stats.stride()[1:1 + len(row_shape)]),
-                stats_in_place, extras.quant_group if extras.group_scales is not None else 0))
+                stats_in_place, extras.quant_group if extras.group_scales is not None else 0,
+                extras.request_starts is not None or extras.pair_stats))
             self.kernel = _kernel.Launch(
                 config, fmt, partial_o, stats, out_like, sinks, export_scale, pdl=pdl,
                 out_stats=out_stats, empty_stat=empty_stat, stats_in_place=stats_in_place,
                 row_mask_stride=row_mask_stride, pass_through_tokens=extras.pass_through_from,
                 group_scales=extras.group_scales, quant_group=extras.quant_group or 0,
                 ue8m0=extras.ue8m0,
-                indptr_dtype=None if extras.indptr is None else extras.indptr.dtype)
+                indptr_dtype=None if extras.indptr is None else extras.indptr.dtype,
+                num_requests=0 if extras.request_ops is None else extras.request_ops.numel(),
+                pair_stats=extras.pair_stats)
             self.native, self.device_index = self.kernel.native, self.kernel.device_index
 
     def bind(self, *, parts: int = 0, in_place: bool = False,
-             more_extents: tuple = (0, 0, 0, 0), names: Optional[dict] = None):
+             more_extents: tuple = (0,) * 6, names: Optional[dict] = None):
         """The binding's CallPlan of this layout (None when there is nothing to launch):
         the launch and what the per-call checks read (csrc/fast_call.cpp), for partials
         stacked (``parts`` 0) or held in ``parts`` tensors. ``more_extents``: the bytes of
-        (row_mask, indptr, out_scale, group_scales); ``names`` the arguments' names as the
-        caller's users know them (partial_o, stats, split_counts, sinks, out, out_stats, mask,
-        indptr, out_scale, group_scales; a part ``i`` of partial_o
+        (row_mask, indptr, out_scale, group_scales, request_starts, request_ops); ``names``
+        the arguments' names as the caller's users know them (partial_o, stats,
+        split_counts, sinks, out, out_stats, mask, indptr, out_scale, group_scales,
+        request_starts, request_ops; a part ``i`` of partial_o
         is ``partial_o[i]`` unless ``names['o_parts']`` and ``names['s_parts']`` name
         the parts)."""
         if self.native is None:
@@ -133,7 +138,8 @@ class LayoutLaunch:
                  "sinks": "sinks", "out": "out",
                  "out_stats": "out_stats" if self.fmt == MAXSUM else "out_lse",
                  "mask": "mask", "indptr": "indptr", "out_scale": "out_scale",
-                 "group_scales": "group_scales"}
+                 "group_scales": "group_scales", "request_starts": "request_starts",
+                 "request_ops": "request_ops"}
         known.update({k: v for k, v in given.items() if k in known})
         if parts:
             o_names = given.get("o_parts") or [f"{known['partial_o']}[{i}]" for i in range(parts)]

@@ -185,7 +185,11 @@ class Extras(NamedTuple):
     """What a general call adds to a layout: FP8 output scales (``out_scale`` per tensor,
     or ``group_scales`` written per ``quant_group`` elements, powers of two with
     ``ue8m0``), pass-through rows (tokens from ``pass_through_from`` on take the last
-    split as it is) and variable-length states (``indptr``; see :func:`varlen_view`)."""
+    split as it is), variable-length states (``indptr``; see :func:`varlen_view`),
+    per-request ops of two splits (``request_starts``: int64 token offsets, one more than
+    ``request_ops``: int64, per request 0 leave its rows as they are, 2 take split 1 as
+    it is, else merge) and LSE stats read as (max, sum) pairs of normalised partials
+    (``pair_stats``: each stats tensor is the pairs' max, their sum the next float)."""
 
     out_scale: Optional[torch.Tensor] = None
     group_scales: Optional[torch.Tensor] = None
@@ -193,6 +197,9 @@ class Extras(NamedTuple):
     ue8m0: bool = False
     pass_through_from: Optional[int] = None
     indptr: Optional[torch.Tensor] = None
+    request_starts: Optional[torch.Tensor] = None
+    request_ops: Optional[torch.Tensor] = None
+    pair_stats: bool = False
 
     def meta(self) -> tuple:
         """What a layout's launch depends on (no addresses)."""
@@ -245,6 +252,26 @@ def _check_extras(extras: Extras, out_dtype: torch.dtype, row_shape: tuple, head
                              f"{extras.pass_through_from}")
         if extras.indptr is not None:
             raise ValueError("pass_through_from and indptr cannot be combined")
+    if (extras.request_starts is None) != (extras.request_ops is None):
+        raise ValueError("request_starts and request_ops go together")
+    if extras.request_starts is not None:
+        if num_splits != 2 or extras.indptr is not None or extras.pass_through_from is not None:
+            raise ValueError("per-request ops merge two splits, without indptr or "
+                             "pass_through_from")
+        for name in ("request_starts", "request_ops"):
+            value = getattr(extras, name)
+            if not isinstance(value, torch.Tensor):
+                raise _type_error(name, value)
+            if value.dtype != torch.int64 or value.dim() != 1 or value.stride(0) != 1:
+                raise ValueError(f"{name} must be a contiguous 1-D int64 tensor, got "
+                                 f"{value.dtype} {tuple(value.shape)}")
+            if value.device != device:
+                raise ValueError(f"{name} is on {value.device} but partial_o is on {device}")
+        if extras.request_starts.shape[0] != extras.request_ops.shape[0] + 1:
+            raise ValueError(f"request_starts needs one more entry than request_ops, got "
+                             f"{extras.request_starts.shape[0]} and {extras.request_ops.shape[0]}")
+    if not isinstance(extras.pair_stats, bool):
+        raise TypeError(f"pair_stats must be a bool, got {type(extras.pair_stats).__name__}")
 
 
 def _heads(row_shape: tuple, sinks) -> int:

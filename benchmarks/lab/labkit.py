@@ -35,7 +35,8 @@ class Params(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats",
-                 "row_mask", "indptr", "out_scale", "group_scales")] + \
+                 "row_mask", "indptr", "out_scale", "group_scales", "request_starts",
+                 "request_ops")] + \
                [(name, ctypes.c_int32) for name in
                 ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
                [(name, ctypes.c_int64) for name in ("num_splits", "rows", "heads", "seqlen",
@@ -46,7 +47,8 @@ class Params(ctypes.Structure):
                 ("pass_through_tokens", ctypes.c_int64), ("pass_through_split", ctypes.c_int32),
                 ("quant_group", ctypes.c_int32), ("group_scales_row", RowStrides),
                 ("group_scales_stride", ctypes.c_int64), ("group_scales_dtype", ctypes.c_int32),
-                ("scale_ue8m0", ctypes.c_bool), ("indptr_int64", ctypes.c_bool)] + \
+                ("scale_ue8m0", ctypes.c_bool), ("indptr_int64", ctypes.c_bool),
+                ("num_requests", ctypes.c_int64), ("pair_stats", ctypes.c_bool)] + \
                [(name, ctypes.c_float) for name in ("log2_scale", "export_scale", "empty_stat")] + \
                [("stats_in_place", ctypes.c_bool), ("flat_rows", ctypes.c_bool)]
 

@@ -8,13 +8,13 @@ memory, *normalised*; stats are float32 (tokens, num_heads, 2) pairs (max of
 the scaled logits, softmax sum), base e: a state stands for ``sum * e^max``
 and merges as ``(a * sum_a e^(max_a - M) + b * sum_b e^(max_b - M)) / sum``.
 
-kvsplit's maxsum format takes unnormalised partials, so this adapter is not
-one launch: a few elementwise launches turn the pairs into LSEs (max + ln sum)
-and the requests' ops into per-token masks, then one kvsplit launch merges the
-merge rows in place and a second copies the copy rows (reading only
-``temp_attn``). Departures: a merged row's stats are written as (LSE, 1), the
-same state as TensorRT-LLM's (max, sum); a row with both states empty is 0
-with stats (-inf, 1) where TensorRT-LLM gives NaN.
+One kvsplit launch serves the whole op in place: the kernel reads each
+request's op from ``cu_q_seq_lens`` and ``merge_op`` on the device (a token
+finds its request by bisection), reads each state's LSE from its (max, sum)
+pair as max + ln(sum), and writes a merged row's stats as the pair (LSE, 1),
+the same state as TensorRT-LLM's (max, sum); a copied row takes ``temp_attn``
+and its pair as they are. Departure: a row with both states empty is 0 with
+stats (-inf, 1) where TensorRT-LLM gives NaN.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ import torch
 
 from .._call import merge_call
 from ..config import head_dim_rule, head_dim_supported
-from ..validation import LSE
+from ..validation import LSE, Extras
 
 __all__ = ["merge_chunked_attention_for_mla"]
 _ATTN_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
+_NAMES = (("o_parts", ("merged_attn", "temp_attn")),
+          ("s_parts", ("merged_softmax_stats", "temp_softmax_stats")), ("out", "merged_attn"),
+          ("out_stats", "merged_softmax_stats"), ("request_starts", "cu_q_seq_lens"),
+          ("request_ops", "merge_op"))
 
 
 def _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num_requests,
@@ -85,15 +89,6 @@ def _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num
                              f"merged_attn's {tokens} tokens, got {value.numel()} values")
 
 
-def _token_ops(cu_q_seq_lens, merge_op, num_requests, tokens) -> torch.Tensor:
-    """Each token's request op (0 for a token outside every request), on the device."""
-    token = torch.arange(tokens, device=cu_q_seq_lens.device)
-    request = torch.searchsorted(cu_q_seq_lens[1:num_requests + 1], token, right=True)
-    op = merge_op[:num_requests].gather(0, request.clamp_max(num_requests - 1))
-    inside = (request < num_requests) & (token >= cu_q_seq_lens[0])
-    return torch.where(inside, op, 0)
-
-
 def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.Tensor,
                                     merged_softmax_stats: torch.Tensor,
                                     temp_softmax_stats: torch.Tensor, num_requests: int,
@@ -132,23 +127,9 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
     tokens = merged_attn.numel() // (num_heads * head_size)
     attn = merged_attn.view(tokens, num_heads, head_size)
     temp = temp_attn.view(-1, num_heads, head_size)[:tokens]
-    stats = merged_softmax_stats.view(-1, num_heads, 2)[:tokens]
-    temp_stats = temp_softmax_stats.view(-1, num_heads, 2)[:tokens]
-    op = _token_ops(cu_q_seq_lens, merge_op, num_requests, tokens)
-    copy_rows = op == 2
-    merge_rows = (op != 0) & ~copy_rows
-    # lse[0], lse[1]: the running state's and the chunk's LSE (max + ln sum) for the merge;
-    # lse[2]: 0, so that the copy's one state weighs exactly 1 (its output is temp_attn as it
-    # is, whatever its stats). Nothing of the caller's is written before the launches.
-    lse = torch.zeros(3, tokens, num_heads, dtype=torch.float32, device=attn.device)
-    torch.add(stats[..., 0], stats[..., 1].log(), out=lse[0])
-    torch.add(temp_stats[..., 0], temp_stats[..., 1].log(), out=lse[1])
-    merge_call(LSE, (attn, temp), (lse[0], lse[1]), math.e, out=attn, out_stats=lse[0],
-               stats_in_place=True, row_mask=merge_rows)
-    merge_call(LSE, (temp,), (lse[2],), math.e, out=attn, row_mask=copy_rows)
-    # Stats: merged rows (LSE, 1), copied rows temp's pair as it is, the rest untouched.
-    merge_2d, copy_2d = merge_rows.unsqueeze(1), copy_rows.unsqueeze(1)
-    torch.where(merge_2d, lse[0], torch.where(copy_2d, temp_stats[..., 0], stats[..., 0]),
-                out=stats[..., 0])
-    torch.where(copy_2d, temp_stats[..., 1], stats[..., 1].masked_fill(merge_2d, 1.0),
-                out=stats[..., 1])
+    stats = merged_softmax_stats.view(-1, num_heads, 2)[:tokens, :, 0]  # each pair's max
+    temp_stats = temp_softmax_stats.view(-1, num_heads, 2)[:tokens, :, 0]
+    extras = Extras(request_starts=cu_q_seq_lens[:num_requests + 1],
+                    request_ops=merge_op[:num_requests], pair_stats=True)
+    merge_call(LSE, (attn, temp), (stats, temp_stats), math.e, out=attn, out_stats=stats,
+               stats_in_place=True, extras=extras, names=_NAMES)

@@ -46,7 +46,7 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
                                                 const float* s, int live, int64_t o_step,
                                                 int64_t s_step, int vector_step,
                                                 const bool (&holds)[kVectors], float log2_scale,
-                                                float empty_stat) {
+                                                float empty_stat, bool pairs = false) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   static_assert(kElems == kVec * kVectors, "a thread's state spans its vectors");
   Packed<kBytesPerThread> packed[kDepth][kVectors];
@@ -67,6 +67,8 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
     const float m_raw = on ? __ldg(stat) : neg_inf();
     l_in[j] = kFormat == StatsFormat::kMaxSum ? (on ? __ldg(stat + 1) : 0.f) : 1.f;
     m_in[j] = m_raw != empty_stat ? m_raw : neg_inf();
+    // (max, sum) pairs of normalised partials (MergeParams::pair_stats): LSE = max + ln(sum).
+    if (kFormat == StatsFormat::kLse && pairs && on) m_in[j] += logf(__ldg(stat + 1));
   }
   state.merge_batch(
       m_in, l_in, [&](int j, int e) { return unpack<kPartial>(packed[j][e / kVec], e % kVec); },
@@ -121,6 +123,7 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
       active = row < p.rows &&
                (p.row_mask == nullptr || p.row_mask[token * p.row_mask_stride] != 0);
       if (active) splits = row_splits_of_token(p, token, row);
+      if (active && p.request_starts != nullptr) active = request_splits(p, token, splits);
       o_row = p.o_row.at(at);
       s_row = p.stats_row.at(at);
       out_row = p.out_row.at(at);
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
       for (int done = 0; done < splits.count; done += kDepth) {
         merge_few_round<kDepth, kVectors, kPartial, kFormat>(
             state, o, s, splits.count - done, p.o_stride_split, p.stats_stride_split,
-            lanes * kVec, holds, p.log2_scale, p.empty_stat);
+            lanes * kVec, holds, p.log2_scale, p.empty_stat, p.pair_stats);
         o += kDepth * p.o_stride_split;
         s += kDepth * p.stats_stride_split;
       }
@@ -183,6 +186,9 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     }
     if (active && lane == 0 && p.out_stats != nullptr) {
       export_stats<kFormat>(p, state, at, total, sink_log2, log2_rel, pass_stats);
+      if (kFormat == StatsFormat::kLse && p.pair_stats) {  // the pair's sum: 1, or as it is
+        p.out_stats[p.out_stats_row.at(at) + 1] = pass_stats != nullptr ? pass_stats[1] : 1.f;
+      }
     }
   }
 }
@@ -354,6 +360,7 @@ inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& le
   // instances of their own were an eighth of the extension's machine code.
   if (p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
       p.pass_through_tokens != INT64_MAX || p.sinks != nullptr || p.group_scales != nullptr ||
+      p.request_starts != nullptr || p.pair_stats ||
       p.out_dtype == DType::kFloat8E4M3FNUZ ||
       threads > kFewMaxGridThreads || p.heads < 1 || p.heads > INT32_MAX || p.seqlen < 1) {
     return false;
@@ -394,7 +401,8 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   if (lanes < 1) return fail(Error::kVectors, config.vectors);
   const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
   const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr &&
-                     p.indptr == nullptr && p.pass_through_tokens == INT64_MAX;
+                     p.indptr == nullptr && p.pass_through_tokens == INT64_MAX &&
+                     p.request_starts == nullptr;
   MergeParams lean;
   uint32_t heads = 1;
   const int depth = few_depth(p.num_splits, config.vectors);

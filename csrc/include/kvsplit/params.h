@@ -55,6 +55,14 @@ struct MergeParams {
   // byte). Null: no scale (1).
   const float* out_scale = nullptr;
   void* group_scales = nullptr;
+  // Per-request ops (TensorRT-LLM's chunked MLA merge): request r owns the
+  // tokens (batch * seqlen + token) request_starts[r] .. request_starts[r + 1]
+  // - 1 (int64, num_requests + 1 of them, read on the device), and
+  // request_ops[r] (int64) says what its rows take: 0 nothing (left as they
+  // are), 2 split 1 as it is (a pass-through row), anything else the merge.
+  // Tokens outside every request are left as they are. Null: every row merges.
+  const int64_t* request_starts = nullptr;
+  const int64_t* request_ops = nullptr;
 
   int32_t head_dim = 0;
   DType partial_dtype = DType::kBFloat16;
@@ -87,6 +95,11 @@ struct MergeParams {
   DType group_scales_dtype = DType::kFloat32;
   bool scale_ue8m0 = false;
   bool indptr_int64 = false;
+  int64_t num_requests = 0;
+  // LSE stats held as (max, sum) pairs of normalised partials (TensorRT-LLM):
+  // a state's LSE is max + ln(sum), read from the pair; a merged row exports
+  // (LSE, 1), a pass-through row its pair as it is. Few family only.
+  bool pair_stats = false;
 
   // Multiplies a stat into the base-2 domain of merge_math.h:
   // maxsum: scale_log2; lse: 1 (base 2) or log2(e) (base e).
@@ -206,6 +219,12 @@ KVSPLIT_HOST_DEVICE constexpr Status check_problem(const MergeParams& p) {
     return fail(Error::kSplitRange, p.pass_through_split);
   }
   if (p.indptr != nullptr && p.split_counts != nullptr) return fail(Error::kSplitRange, 0);
+  // Per-request ops merge two splits or take split 1, alone among the split options.
+  if (p.request_starts != nullptr &&
+      (p.request_ops == nullptr || p.num_splits != 2 || p.indptr != nullptr ||
+       p.split_counts != nullptr || p.pass_through_tokens != INT64_MAX)) {
+    return fail(Error::kSplitRange, p.num_splits);
+  }
   if (p.stats_format != StatsFormat::kMaxSum && p.stats_format != StatsFormat::kLse) {
     return fail(Error::kStatsFormat, static_cast<int>(p.stats_format));
   }
@@ -243,6 +262,13 @@ KVSPLIT_HOST_DEVICE constexpr Status check_call_rules(const KernelConfig& config
 }
 
 KVSPLIT_HOST_DEVICE constexpr Status check_call(const MergeParams& p, const KernelConfig& config) {
+  // Per-request ops and pair stats are the general Few kernel's alone.
+  if ((p.request_starts != nullptr || p.pair_stats) && config.family != Family::kFew) {
+    return fail(Error::kFamily, static_cast<int>(config.family));
+  }
+  if (p.pair_stats && p.stats_format != StatsFormat::kLse) {
+    return fail(Error::kStatsFormat, static_cast<int>(p.stats_format));
+  }
   return check_call_rules(config, p.head_dim, elem_bytes(p.partial_dtype), p.stats_in_place,
                           p.group_scales != nullptr ? p.quant_group : 0);
 }
@@ -286,6 +312,33 @@ KVSPLIT_HOST_DEVICE inline SplitRange row_splits(const MergeParams& p, const Row
   return row_splits_of_token(
       p, p.indptr != nullptr || p.pass_through_tokens != INT64_MAX ? row_token_major(p, at) : 0,
       row);
+}
+
+// What a row of a call with per-request ops takes (request_starts): its
+// request's op, found by bisection, or 0 for a token outside every request.
+KVSPLIT_HOST_DEVICE inline int64_t request_op(const MergeParams& p, int64_t token) {
+  const int64_t* starts = p.request_starts;
+  if (p.num_requests < 1 || token < starts[0] || token >= starts[p.num_requests]) return 0;
+  int64_t low = 0, high = p.num_requests;  // starts[low] <= token < starts[high]
+  while (high - low > 1) {
+    const int64_t mid = low + (high - low) / 2;
+    if (starts[mid] <= token) {
+      low = mid;
+    } else {
+      high = mid;
+    }
+  }
+  return p.request_ops[low];
+}
+
+// A row's splits under its request's op (request_op), or false: the row is
+// left as it is. Op 2 takes split 1 as it is.
+KVSPLIT_HOST_DEVICE inline bool request_splits(const MergeParams& p, int64_t token,
+                                               SplitRange& range) {
+  const int64_t op = request_op(p, token);
+  if (op == 0) return false;
+  if (op == 2) range = SplitRange{1, 1, true};
+  return true;
 }
 
 // Where and how a CUDA merge launches.

@@ -40,13 +40,14 @@ namespace kvsplit {
 // One round: up to kDepth states (`live` of them; the rest weigh 0 and load
 // nothing) of a thread's kVectors vectors, `vector_step` elements apart.
 // Every load of the round is issued before the first use.
-template <int kDepth, int kVectors, DType kPartial, StatsFormat kFormat, int kElems>
+template <int kDepth, int kVectors, DType kPartial, StatsFormat kFormat, int kElems,
+          bool kPairs = false>
 __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
                                                 const typename CudaType<kPartial>::type* o,
                                                 const float* s, int live, int64_t o_step,
                                                 int64_t s_step, int vector_step,
                                                 const bool (&holds)[kVectors], float log2_scale,
-                                                float empty_stat, bool pairs = false) {
+                                                float empty_stat) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   static_assert(kElems == kVec * kVectors, "a thread's state spans its vectors");
   Packed<kBytesPerThread> packed[kDepth][kVectors];
@@ -68,14 +69,20 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
     l_in[j] = kFormat == StatsFormat::kMaxSum ? (on ? __ldg(stat + 1) : 0.f) : 1.f;
     m_in[j] = m_raw != empty_stat ? m_raw : neg_inf();
     // (max, sum) pairs of normalised partials (MergeParams::pair_stats): LSE = max + ln(sum).
-    if (kFormat == StatsFormat::kLse && pairs && on) m_in[j] += logf(__ldg(stat + 1));
+    if constexpr (kPairs) {
+      if (on) m_in[j] += logf(__ldg(stat + 1));
+    }
   }
   state.merge_batch(
       m_in, l_in, [&](int j, int e) { return unpack<kPartial>(packed[j][e / kVec], e % kVec); },
       log2_scale);
 }
 
-template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors>
+// kRequests: the instance for TensorRT-LLM's calls (two LSE splits: depth 2),
+// which alone reads per-request ops and (max, sum) pair stats; compiled into
+// the others, that code raised their registers by up to half (sm_90a: 56 to
+// 71, 128 to 193) and cost a 32768-row pass 15 %.
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, bool kRequests = false>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_kernel(const MergeParams p, const FewGeometry geo) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
@@ -123,7 +130,9 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
       active = row < p.rows &&
                (p.row_mask == nullptr || p.row_mask[token * p.row_mask_stride] != 0);
       if (active) splits = row_splits_of_token(p, token, row);
-      if (active && p.request_starts != nullptr) active = request_splits(p, token, splits);
+      if constexpr (kRequests) {
+        if (active && p.request_starts != nullptr) active = request_splits(p, token, splits);
+      }
       o_row = p.o_row.at(at);
       s_row = p.stats_row.at(at);
       out_row = p.out_row.at(at);
@@ -150,9 +159,9 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
                          (splits.begin * p.o_stride_split + o_row);
       const float* s = p.stats + (splits.begin * p.stats_stride_split + s_row);
       for (int done = 0; done < splits.count; done += kDepth) {
-        merge_few_round<kDepth, kVectors, kPartial, kFormat>(
+        merge_few_round<kDepth, kVectors, kPartial, kFormat, kElems, kRequests>(
             state, o, s, splits.count - done, p.o_stride_split, p.stats_stride_split,
-            lanes * kVec, holds, p.log2_scale, p.empty_stat, p.pair_stats);
+            lanes * kVec, holds, p.log2_scale, p.empty_stat);
         o += kDepth * p.o_stride_split;
         s += kDepth * p.stats_stride_split;
       }
@@ -186,7 +195,7 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     }
     if (active && lane == 0 && p.out_stats != nullptr) {
       export_stats<kFormat>(p, state, at, total, sink_log2, log2_rel, pass_stats);
-      if (kFormat == StatsFormat::kLse && p.pair_stats) {  // the pair's sum: 1, or as it is
+      if constexpr (kRequests) {  // the pair's sum: 1, or as it is
         p.out_stats[p.out_stats_row.at(at) + 1] = pass_stats != nullptr ? pass_stats[1] : 1.f;
       }
     }
@@ -407,6 +416,8 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   uint32_t heads = 1;
   const int depth = few_depth(p.num_splits, config.vectors);
   const bool is_lean = few_lean_call(p, p.rows * lanes, depth, lean, heads);
+  // TensorRT-LLM's calls (check_problem, check_call: two LSE splits, depth 2).
+  const bool requests = p.request_starts != nullptr || p.pair_stats;
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
                         p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
                         plain, FastDivmod(heads)};
@@ -417,7 +428,14 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   KVSPLIT_DISPATCH_FEW_DEPTH(depth, kDepth, status, {
     KVSPLIT_DISPATCH_FEW_VECTORS(config.vectors, kVectors, status, {
       if constexpr (few_loads_fit(kDepth, kVectors)) {
-        if (!is_lean) {
+        if (requests) {
+          if constexpr (kFormat == StatsFormat::kLse && kDepth == 2) {
+            error = cudaLaunchKernelEx(&launch.config,
+                                       few_kernel<kPartial, kFormat, 2, kVectors, true>, p, geo);
+          } else {
+            status = fail(Error::kSplitRange, p.num_splits);
+          }
+        } else if (!is_lean) {
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
         } else {

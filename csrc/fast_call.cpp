@@ -50,6 +50,8 @@ enum Role : int {
   kRowMask,
   kOutScale,
   kGroupScales,
+  kRequestStarts,  // TensorRT-LLM's per-request ops: the requests' token offsets
+  kRequestOps,     // and each request's op
   kRoles,
 };
 
@@ -386,6 +388,8 @@ CallAddresses addresses_of(const Form& form, const Call& call, bool reversed) {
       case kRowMask: a.row_mask = at; break;
       case kOutScale: a.out_scale = at; break;
       case kGroupScales: a.group_scales = at; break;
+      case kRequestStarts: a.request_starts = at; break;
+      case kRequestOps: a.request_ops = at; break;
       default: break;
     }
   }
@@ -574,7 +578,8 @@ void def_fast_call(py::module_& m) {
       {"KEY", kKey},         {"SCALE", kScale},     {"PARTIAL_O", kPartialO},
       {"STATS", kStats},     {"OUT", kOut},         {"OUT_STATS", kOutStats},
       {"SINKS", kSinks},     {"SPLIT_COUNTS", kSplitCounts}, {"ROW_MASK", kRowMask},
-      {"OUT_SCALE", kOutScale}, {"GROUP_SCALES", kGroupScales}};
+      {"OUT_SCALE", kOutScale}, {"GROUP_SCALES", kGroupScales},
+      {"REQUEST_STARTS", kRequestStarts}, {"REQUEST_OPS", kRequestOps}};
   for (const auto& [name, role] : kRoleNames) roles.attr(name) = static_cast<int>(role);
 
   m.def(

@@ -136,6 +136,46 @@ def test_trtllm_many_requests_find_their_ops(device, seed):
     assert torch.allclose(got_stats[finite], ref_stats[finite], atol=1e-5, rtol=1e-5)
 
 
+def test_trtllm_repeated_calls_take_the_per_call_path(device):
+    """The second call of a layout is the binding's, with fresh values in the same tensors
+    and new ops, and still matches the reference; a bad max_q_seq_len is refused there too."""
+    from kvsplit import _kernel
+
+    if not _kernel.FAST_CALL:
+        pytest.skip("this torch has no DLPack exchange table")
+    attn, temp, stats, temp_stats, cu, ops = case(torch.bfloat16, 128, gen("trt-fast"))
+    attn[attn.isnan()] = 0.0
+    tokens, heads = attn.shape[:2]
+    held = [t.clone().to(device) for t in (attn, temp, stats, temp_stats)]
+    cu_d, ops_d = cu.to(device), torch.tensor(ops, device=device)
+
+    def call(max_q=4):
+        trtllm.merge_chunked_attention_for_mla(held[0], held[1], held[2], held[3], len(ops),
+                                               cu_d, max_q, ops_d, heads, 128)
+
+    call()
+    g = gen("trt-fast-2")
+    fresh = [torch.randn(attn.shape, generator=g).bfloat16(),
+             torch.randn(temp.shape, generator=g).bfloat16(), pairs(stats.shape[0], heads, g),
+             pairs(temp_stats.shape[0], heads, g)]
+    new_ops = [2, 1, 0, 1, 2, 0]
+    for t, values in zip(held, fresh):
+        t.copy_(values)
+    ops_d.copy_(torch.tensor(new_ops))
+    before = _kernel.fast_info()["hits"]
+    call()
+    assert _kernel.fast_info()["hits"] == before + 1
+    ref_attn, ref_stats = reference(fresh[0], fresh[1], fresh[2][:tokens], fresh[3][:tokens], cu,
+                                    new_ops)
+    got_attn, got_stats = held[0].cpu().double(), held[2][:tokens].cpu().double()
+    assert torch.allclose(got_attn, ref_attn, atol=2e-2, rtol=2e-2)
+    finite = ref_stats.isfinite()
+    assert torch.equal(got_stats.isfinite(), finite)
+    assert torch.allclose(got_stats[finite], ref_stats[finite], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="max_q_seq_len"):
+        call(max_q=-1)
+
+
 def test_request_options_are_checked_before_anything_is_written():
     """The general call's per-request options, given wrong, raise naming them."""
     from kvsplit._call import merge_call

@@ -24,7 +24,8 @@
 // registers): the pairs of config.h's FewDepths x FewVectors that
 // few_loads_fit, seven per (partial dtype, stats format), each as four lean
 // kernels (one per output dtype but e4m3fnuz) and the general one
-// (few_lean_kernel below says which calls take which).
+// (few_lean_kernel below says which calls take which); with LSE stats, the
+// depth-2 pairs also as TensorRT-LLM's instance (few_kernel's kRequests).
 #pragma once
 
 #include <cstdint>

@@ -90,9 +90,10 @@ def _outputs(fmt, partial_o, stats, out, out_dtype, return_stats):
     if first is not None:
         return out, torch.empty_like(stats[0], dtype=torch.float32,
                                      memory_format=torch.contiguous_format)
+    if partial_o.dim() < 3:  # no rows: validation refuses it
+        return None
     rows = (*partial_o.shape[1:-1], 2) if fmt == MAXSUM else partial_o.shape[1:-1]
-    return out, torch.empty(*rows, dtype=torch.float32, device=partial_o.device) if rows else \
-        torch.empty((), dtype=torch.float32, device=partial_o.device)
+    return out, torch.empty(*rows, dtype=torch.float32, device=partial_o.device)
 
 
 def _public(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_dtype, return_stats,

@@ -77,7 +77,8 @@ class LayoutLaunch:
         row_shape = tuple(row_list)
         rows = math.prod(row_shape)
         heads = _heads(row_shape, sinks)
-        _check_extras(extras, out_dtype, row_shape, head_dim, num_splits, heads, partial_o.device)
+        _check_extras(extras, fmt, out_dtype, row_shape, head_dim, num_splits, heads,
+                      partial_o.device)
         _check_strides(partial_o, out, out_dtype)
         device = partial_o.device
         self.rows, self.device, self.out_dtype = rows, device, out_dtype

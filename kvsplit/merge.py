@@ -333,10 +333,13 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
             and pass_through_from is None and indptr is None
             and (out is None or out_dtype is None) and not _is_compiling()):
-        if (out is not None and not return_stats and type(partial_o) is torch.Tensor
-                and _call_fast(_FORMS[MAXSUM], partial_o, partial_stats, scale_log2, sinks,
-                               split_counts, out, None, kv_split)):
-            return out  # the commonest call, without a frame more
+        if out is not None and not return_stats and type(partial_o) is torch.Tensor:
+            # The commonest call, without a frame more: the per-call path, else validation.
+            if _call_fast(_FORMS[MAXSUM], partial_o, partial_stats, scale_log2, sinks,
+                          split_counts, out, None, kv_split):
+                return out
+            return _merge(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
+                          False, kv_split)
         served = _public(MAXSUM, partial_o, partial_stats, scale_log2, sinks, split_counts, out,
                          out_dtype, return_stats, kv_split)
         if served is not None:
@@ -382,10 +385,13 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
             and pass_through_from is None and indptr is None
             and (out is None or out_dtype is None) and not _is_compiling()):
-        if (out is not None and not return_lse and type(partial_o) is torch.Tensor
-                and _call_fast(_FORMS[LSE], partial_o, partial_lse, base, sinks, split_counts, out,
-                               None, kv_split)):
-            return out  # the commonest call, without a frame more
+        if out is not None and not return_lse and type(partial_o) is torch.Tensor:
+            # The commonest call, without a frame more: the per-call path, else validation.
+            if _call_fast(_FORMS[LSE], partial_o, partial_lse, base, sinks, split_counts, out,
+                          None, kv_split):
+                return out
+            return _merge(LSE, partial_o, partial_lse, base, sinks, split_counts, out, False,
+                          kv_split)
         served = _public(LSE, partial_o, partial_lse, base, sinks, split_counts, out, out_dtype,
                          return_lse, kv_split)
         if served is not None:

@@ -214,8 +214,8 @@ def _is_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
-def _check_extras(extras: Extras, out_dtype: torch.dtype, row_shape: tuple, head_dim: int,
-                  num_splits: int, heads: int, device: torch.device) -> None:
+def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: tuple,
+                  head_dim: int, num_splits: int, heads: int, device: torch.device) -> None:
     """The general call's options against the layout (see :class:`Extras`)."""
     fp8 = out_dtype in _FP8_DTYPES
     if extras.out_scale is not None:
@@ -272,6 +272,8 @@ def _check_extras(extras: Extras, out_dtype: torch.dtype, row_shape: tuple, head
                              f"{extras.request_starts.shape[0]} and {extras.request_ops.shape[0]}")
     if not isinstance(extras.pair_stats, bool):
         raise TypeError(f"pair_stats must be a bool, got {type(extras.pair_stats).__name__}")
+    if (extras.request_starts is not None or extras.pair_stats) and fmt != LSE:
+        raise ValueError("per-request ops and pair stats take LSE stats")
 
 
 def _heads(row_shape: tuple, sinks) -> int:

@@ -193,6 +193,10 @@ def test_request_options_are_checked_before_anything_is_written():
         with pytest.raises(ValueError, match=words):
             merge_call(LSE, (a, b), (sa, sb), math.e, out=out, extras=extras)
         assert (out == 7.0).all()
+    with pytest.raises(ValueError, match="take LSE stats"):
+        from kvsplit.validation import MAXSUM
+        merge_call(MAXSUM, (a, b), (torch.zeros(4, 2, 2), torch.zeros(4, 2, 2)), 0.5,
+                   extras=Extras(request_starts=starts, request_ops=ops))
     with pytest.raises(ValueError, match="two splits"):
         merge_call(LSE, (a, b, a), (sa, sb, sa), math.e, extras=Extras(request_starts=starts,
                                                                     request_ops=ops))

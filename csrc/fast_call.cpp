@@ -65,6 +65,9 @@ constexpr int kEnvironmentSize = 4;
 struct Form {
   std::vector<Role> roles;
   bool in_place = false;  // outputs may be inputs: which is which keys the plan
+  // The outputs are the first part's own tensors, not passed again (an op that
+  // merges into its first state: TensorRT-LLM's, FlashInfer's in-place merge).
+  bool into_first = false;
 };
 
 struct Key {
@@ -393,6 +396,10 @@ CallAddresses addresses_of(const Form& form, const Call& call, bool reversed) {
       default: break;
     }
   }
+  if (form.into_first) {  // the form's first part (its plans take the parts in order)
+    a.out = a.o[0];
+    a.out_stats = a.s.empty() ? 0 : a.s[0];
+  }
   if (reversed && a.o.size() == 2 && a.s.size() == 2) {
     std::swap(a.o[0], a.o[1]);
     std::swap(a.s[0], a.s[1]);
@@ -584,25 +591,33 @@ void def_fast_call(py::module_& m) {
 
   m.def(
       "call_form",
-      [](const std::vector<int>& roles, bool in_place) {
+      [](const std::vector<int>& roles, bool in_place, bool into_first) {
         State& s = state();
         if (roles.size() > kMaxArgs) throw py::value_error("call_form: too many arguments");
         Form form;
-        int parts = 0;
+        int parts = 0, outputs = 0;
         for (const int role : roles) {
           if (role < 0 || role >= kRoles) throw py::value_error("call_form: unknown role");
           form.roles.push_back(static_cast<Role>(role));
           parts += role == kPartialO;
+          outputs += role == kOut || role == kOutStats;
         }
         if (parts < 1 || parts > kMaxParts) {
           throw py::value_error("call_form: one or two partial-output arguments");
         }
+        if (into_first && (parts != 2 || outputs || in_place)) {
+          throw py::value_error("call_form: a form that merges into its first part has two "
+                                "parts, names no outputs and is not in_place");
+        }
         form.in_place = in_place;
+        form.into_first = into_first;
         s.forms.push_back(std::move(form));
         return static_cast<int>(s.forms.size() - 1);
       },
-      py::arg("roles"), py::arg("in_place") = false,
-      "Registers a call form (the role of each argument of an entry point); returns its id");
+      py::arg("roles"), py::arg("in_place") = false, py::arg("into_first") = false,
+      "Registers a call form (the role of each argument of an entry point); returns its id.\n"
+      "in_place: outputs may be inputs; into_first: the outputs are the first part's\n"
+      "partial output and stats, not passed again");
 
   py::class_<CallPlan>(m, "CallPlan")
       .def(py::init([](const Launch& launch, int device_index, int64_t store_bytes,

@@ -22,8 +22,8 @@ __all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_leng
 _R = ROLES
 _MERGE_STATES = call_form([_R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS])
 _MERGE_STATE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS])
-_IN_PLACE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS,
-                       _R.ROW_MASK], in_place=True)
+_IN_PLACE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.ROW_MASK],
+                      into_first=True)
 _STATES_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"), ("out_stats", "s_merged"))
 _STATE_NAMES = (("o_parts", ("v_a", "v_b")), ("s_parts", ("s_a", "s_b")), ("out", "v_merged"),
                 ("out_stats", "s_merged"))
@@ -83,7 +83,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     untouched (neither read nor written). ``s`` must be float32: FlashInfer
     would update a converted copy of any other dtype, losing the update.
     """
-    if call_fast(_IN_PLACE, v, s, v_other, s_other, v, s, mask):
+    if call_fast(_IN_PLACE, v, s, v_other, s_other, mask):
         return
     if isinstance(s, torch.Tensor) and s.dtype != torch.float32:
         raise TypeError("s must be a float32 tensor (it is updated in place)")
@@ -93,7 +93,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
                        dtypes=(torch.bool, torch.uint8), device=v.device)
     merge_call(LSE, (v, v_other), (s, s_other), 2.0, out=v, out_stats=s, row_mask=mask,
                stats_in_place=True, names=_IN_PLACE_NAMES,
-               register=(_IN_PLACE, False, v, s, v_other, s_other, v, s, mask))
+               register=(_IN_PLACE, False, v, s, v_other, s_other, mask))
 
 
 def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,

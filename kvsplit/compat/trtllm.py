@@ -31,11 +31,11 @@ from ..validation import LSE, Extras
 
 __all__ = ["merge_chunked_attention_for_mla"]
 _ATTN_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
-# The op's own arguments, merged_attn and its stats given twice (as the part merged into
-# and as the output written over it), then the keyed sizes.
-_FORM = call_form([ROLES.PARTIAL_O, ROLES.PARTIAL_O, ROLES.STATS, ROLES.STATS, ROLES.OUT,
-                   ROLES.OUT_STATS, ROLES.REQUEST_STARTS, ROLES.REQUEST_OPS, ROLES.KEY,
-                   ROLES.KEY, ROLES.KEY], in_place=True)
+# The op's own arguments in its order but max_q_seq_len (checked, not keyed); the outputs
+# are the first state's own tensors (into_first), not passed again.
+_FORM = call_form([ROLES.PARTIAL_O, ROLES.PARTIAL_O, ROLES.STATS, ROLES.STATS, ROLES.KEY,
+                   ROLES.REQUEST_STARTS, ROLES.REQUEST_OPS, ROLES.KEY, ROLES.KEY],
+                  into_first=True)
 _NAMES = (("o_parts", ("merged_attn", "temp_attn")),
           ("s_parts", ("merged_softmax_stats", "temp_softmax_stats")), ("out", "merged_attn"),
           ("out_stats", "merged_softmax_stats"), ("request_starts", "cu_q_seq_lens"),
@@ -126,10 +126,10 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
     Tokens past merged_attn's end are never touched (TensorRT-LLM writes past it).
     Merged rows' stats are written as (LSE, 1); both states empty: 0 and (-inf, 1).
     """
-    args = (merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, merged_attn,
-            merged_softmax_stats, cu_q_seq_lens, merge_op, num_requests, num_heads, head_size)
     # A layout seen before (max_q_seq_len is not keyed: checked here, as the Python path does).
-    if type(max_q_seq_len) is int and max_q_seq_len >= 0 and call_fast(_FORM, *args):
+    if type(max_q_seq_len) is int and max_q_seq_len >= 0 and call_fast(
+            _FORM, merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num_requests,
+            cu_q_seq_lens, merge_op, num_heads, head_size):
         return
     _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num_requests,
            cu_q_seq_lens, max_q_seq_len, merge_op, num_heads, head_size)
@@ -143,4 +143,7 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
     extras = Extras(request_starts=cu_q_seq_lens[:num_requests + 1],
                     request_ops=merge_op[:num_requests], pair_stats=True)
     merge_call(LSE, (attn, temp), (stats, temp_stats), math.e, out=attn, out_stats=stats,
-               stats_in_place=True, extras=extras, names=_NAMES, register=(_FORM, False, *args))
+               stats_in_place=True, extras=extras, names=_NAMES,
+               register=(_FORM, False, merged_attn, temp_attn, merged_softmax_stats,
+                         temp_softmax_stats, num_requests, cu_q_seq_lens, merge_op, num_heads,
+                         head_size))

@@ -198,3 +198,32 @@ def test_per_call_errors_name_the_engines_arguments(device):
     s_a = pl.t().contiguous()
     with pytest.raises(ValueError, match="v_merged may be v_a itself only with s_merged being s_a"):
         sglang.merge_state_v2(po, s_a, so, sl.t().contiguous(), po, s_m)
+
+
+def test_flashinfer_in_place_writes_the_tensors_of_each_call(device):
+    """merge_state_in_place passes its outputs once, as the first state: a later call of the
+    same layout on other tensors is served by the binding and writes into its own first
+    state, leaving the tensors of the call that registered alone."""
+    g = gen("into-first")
+    first = [torch.randn(7, 4, 64, generator=g).bfloat16().to(device) for _ in range(2)]
+    first += [torch.randn(7, 4, generator=g).to(device) for _ in range(2)]
+    v, v_other, s, s_other = first
+    flashinfer.merge_state_in_place(v, s, v_other, s_other)  # registers
+    held = [t.clone() for t in first]
+    other = [torch.empty_like(t) for t in first]
+    fill(other, 3)
+    ref_out, ref_lse = reference(torch.stack(other[:2]).cpu(), torch.stack(other[2:]).cpu(), 2.0)
+    count = hits()
+    flashinfer.merge_state_in_place(other[0], other[2], other[1], other[3])
+    assert hits() == count + 1
+    assert_close(other[0], other[2], ref_out, ref_lse, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(first, held))
+
+
+def test_a_form_that_merges_into_its_first_part_names_no_outputs():
+    roles = _kernel.ROLES
+    two = [roles.PARTIAL_O, roles.STATS, roles.PARTIAL_O, roles.STATS]
+    for bad, options in ((two + [roles.OUT], {}), (two, {"in_place": True}),
+                         ([roles.PARTIAL_O, roles.STATS], {})):
+        with pytest.raises(ValueError, match="merges into its first part"):
+            _kernel.call_form(bad, into_first=True, **options)

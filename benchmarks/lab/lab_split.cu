@@ -1,0 +1,181 @@
+// Few states at L2-resident sizes (3-18 MB, N = 4-16): the product's Few
+// kernel beside two-state-style merges written out by hand whose states are
+// spread over S adjacent lanes. benchmarks/lab/lab_split.py times them in
+// graph replay. Lab code: nothing here ships.
+//
+//   product v1 / v2   launch_few_typed, one or two 16-byte vectors a thread;
+//   split S (1, 2, 4) a hand-written merge of N states, bf16, base-2 LSE,
+//                     rows of a power-of-two vector count: S adjacent lanes
+//                     share one 16-byte vector of a row, each loads N / S of
+//                     its states (partials and LSEs) before any arithmetic,
+//                     the lanes agree on the max by shuffles, weigh their
+//                     own states, sum the weights and the vector by
+//                     shuffles, and the first lane stores. S = 1 is one
+//                     thread a vector, the product's layout without its
+//                     running state; S > 1 gives the GPU S times the threads
+//                     for the same bytes (the read probe runs two to four
+//                     times the product's threads) and each thread N / S
+//                     states of arithmetic after its loads.
+//   half S            split S with each lane storing 16 / S bytes of the
+//                     summed vector instead of the first lane all 16.
+#include <cuda_bf16.h>
+
+#include "kvsplit/launch.h"
+#include "kvsplit/merge_few.cuh"
+#include "kvsplit/probe.h"
+
+namespace kvsplit {
+namespace {
+
+// Loads as volatile asm, so that ptxas keeps every load of a thread ahead of
+// the arithmetic: with __ldg it moved each partial's load next to its use
+// (42 registers for sixteen states, one load in flight at a time).
+__device__ __forceinline__ uint4 load_v4(const void* at, bool on) {
+  uint4 v;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n"
+      " mov.b32 %2, 0;\n mov.b32 %3, 0;\n @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(at), "r"(static_cast<int>(on)));
+  return v;
+}
+
+__device__ __forceinline__ float load_f32(const float* at, bool on) {
+  float v;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n mov.b32 %0, 0xff800000;\n"
+      " @p ld.global.nc.f32 %0, [%1];\n}"
+      : "=f"(v)
+      : "l"(at), "r"(static_cast<int>(on)));
+  return v;
+}
+
+template <int kN, int kS, bool kSpreadStore>
+__global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, const float* s,
+                                                    __nv_bfloat16* out, uint32_t rows,
+                                                    int vectors_log2, int64_t o_split,
+                                                    int64_t s_split) {
+  constexpr int kPer = kN / kS;
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t sub = thread & (kS - 1);
+  const uint32_t vector = thread / kS;
+  const uint32_t row = vector >> vectors_log2;
+  const bool active = row < rows;
+  const int64_t at = int64_t{vector} * 8;
+  const __nv_bfloat16* mine = o + int64_t{sub} * kPer * o_split + at;
+  const float* stat = s + int64_t{sub} * kPer * s_split + row;
+  uint4 raw[kPer];
+  float m_in[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i, mine += o_split, stat += s_split) {
+    raw[i] = load_v4(mine, active);
+    m_in[i] = load_f32(stat, active);
+  }
+  float m = m_in[0];
+#pragma unroll
+  for (int i = 1; i < kPer; ++i) m = fmaxf(m, m_in[i]);
+#pragma unroll
+  for (int k = 1; k < kS; k <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
+  const float anchor = m == neg_inf() ? 0.f : m;
+  float acc[8] = {}, l = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const float w = fast_exp2(m_in[i] - anchor);
+    l += w;
+    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 v = __bfloat1622float2(x[e]);
+      acc[2 * e] = fmaf(w, v.x, acc[2 * e]);
+      acc[2 * e + 1] = fmaf(w, v.y, acc[2 * e + 1]);
+    }
+  }
+#pragma unroll
+  for (int k = 1; k < kS; k <<= 1) {
+    l += __shfl_xor_sync(0xffffffffu, l, k);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], k);
+  }
+  if (!active) return;
+  const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
+  uint4 result;
+  __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) r[e] = __floats2bfloat162_rn(acc[2 * e] * inv, acc[2 * e + 1] * inv);
+  if constexpr (kSpreadStore && kS > 1) {
+    constexpr int kWords = 4 / kS;  // 32-bit words a lane stores
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + at) + sub * kWords;
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(&result) + sub * kWords;
+    if constexpr (kWords == 2) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(src[0], src[1]);
+    } else {
+      *dst = src[0];
+    }
+  } else {
+    if (sub == 0) *reinterpret_cast<uint4*>(out + at) = result;
+  }
+}
+
+template <int kN>
+int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
+                 cudaStream_t stream) {
+  const int vectors = static_cast<int>(p.head_dim / 8);
+  if (vectors & (vectors - 1)) return -1;
+  int vectors_log2 = 0;
+  while ((1 << vectors_log2) < vectors) ++vectors_log2;
+  const FewLaunch shape = make_few_launch(vectors * s_lanes, p.rows, sm_count);
+  const dim3 grid(static_cast<unsigned>(shape.ctas)), block(shape.cta_threads);
+  const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  const auto rows = static_cast<uint32_t>(p.rows);
+#define KVSPLIT_LAB_SPLIT(S)                                                                    \
+  (spread ? split_kernel<kN, S, true> : split_kernel<kN, S, false>)<<<grid, block, 0, stream>>>( \
+      o, p.stats, out, rows, vectors_log2, p.o_stride_split, p.stats_stride_split)
+  switch (s_lanes) {
+    case 1: KVSPLIT_LAB_SPLIT(1); break;
+    case 2: KVSPLIT_LAB_SPLIT(2); break;
+    case 4: if constexpr (kN >= 4) KVSPLIT_LAB_SPLIT(4); break;
+    default: return -1;
+  }
+#undef KVSPLIT_LAB_SPLIT
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvsplit
+
+using namespace kvsplit;
+
+// variant: 0 product v1, 1 product v2, 2 + k: split S = 1, 2, 4 (k = 0, 1, 2), 5 + k: half
+// S = 2, 4 (k = 0, 1).
+extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
+  MergeParams p = *params;
+  flatten_rows(p);
+  const auto stream = static_cast<cudaStream_t>(raw_stream);
+  if (variant <= 1) {
+    KernelConfig config;
+    config.family = Family::kFew;
+    config.vectors = variant + 1;
+    const Status status = launch_few_typed<DType::kBFloat16, StatsFormat::kLse>(
+        p, config, sm_count, false, stream);
+    if (!status.ok()) return static_cast<int>(status.error);
+    return static_cast<int>(cudaGetLastError());
+  }
+  const int s_lanes = variant <= 4 ? 1 << (variant - 2) : 2 << (variant - 5);
+  const bool spread = variant >= 5;
+  int result = -1;
+  switch (p.num_splits) {
+    case 4: result = launch_split<4>(s_lanes, spread, p, sm_count, stream); break;
+    case 8: result = launch_split<8>(s_lanes, spread, p, sm_count, stream); break;
+    case 16: result = launch_split<16>(s_lanes, spread, p, sm_count, stream); break;
+    default: return -1;
+  }
+  if (result != 0) return result;
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int lab_split_read(const void* o, int64_t o_bytes, const void* stats,
+                              int64_t stats_bytes, void* out, int64_t out_bytes, void* stream) {
+  return static_cast<int>(
+      launch_read_probe(o, o_bytes, stats, stats_bytes, out, out_bytes, stream).error);
+}

@@ -17,7 +17,9 @@
 //                     times the product's threads) and each thread N / S
 //                     states of arithmetic after its loads.
 //   half S            split S with each lane storing 16 / S bytes of the
-//                     summed vector instead of the first lane all 16.
+//                     summed vector instead of the first lane all 16;
+//   phase             split 1 with its states merged in two halves, each
+//                     weighed against its own max (phase_kernel).
 #include <cuda_bf16.h>
 
 #include "kvsplit/launch.h"
@@ -116,6 +118,66 @@ __global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, cons
   }
 }
 
+// One thread a vector, its states merged in two halves, each weighed
+// against its own max as soon as its loads are in (every load is still issued
+// first), then the halves combined: whether arithmetic on the first half
+// overlaps the arrival of the second.
+template <int kN>
+__global__ void __launch_bounds__(256) phase_kernel(const __nv_bfloat16* o, const float* s,
+                                                    __nv_bfloat16* out, uint32_t rows,
+                                                    int vectors_log2, int64_t o_split,
+                                                    int64_t s_split) {
+  constexpr int kHalf = kN / 2;
+  const uint32_t vector = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row = vector >> vectors_log2;
+  const bool active = row < rows;
+  const int64_t at = int64_t{vector} * 8;
+  const __nv_bfloat16* mine = o + at;
+  const float* stat = s + row;
+  uint4 raw[kN];
+  float m_in[kN];
+#pragma unroll
+  for (int i = 0; i < kN; ++i, mine += o_split, stat += s_split) {
+    m_in[i] = load_f32(stat, active);
+    raw[i] = load_v4(mine, active);
+  }
+  float m[2], l[2] = {0.f, 0.f}, acc[2][8] = {};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = m_in[h * kHalf];
+#pragma unroll
+    for (int i = 1; i < kHalf; ++i) m[h] = fmaxf(m[h], m_in[h * kHalf + i]);
+    const float anchor = m[h] == neg_inf() ? 0.f : m[h];
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float w = fast_exp2(m_in[h * kHalf + i] - anchor);
+      l[h] += w;
+      const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw[h * kHalf + i]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 v = __bfloat1622float2(x[e]);
+        acc[h][2 * e] = fmaf(w, v.x, acc[h][2 * e]);
+        acc[h][2 * e + 1] = fmaf(w, v.y, acc[h][2 * e + 1]);
+      }
+    }
+  }
+  if (!active) return;
+  const float top = fmaxf(m[0], m[1]);
+  const float anchor = top == neg_inf() ? 0.f : top;
+  const float w0 = m[0] == neg_inf() ? 0.f : fast_exp2(m[0] - anchor);
+  const float w1 = m[1] == neg_inf() ? 0.f : fast_exp2(m[1] - anchor);
+  const float total = w0 * l[0] + w1 * l[1];
+  const float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;
+  uint4 result;
+  __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    r[e] = __floats2bfloat162_rn((w0 * acc[0][2 * e] + w1 * acc[1][2 * e]) * inv,
+                                 (w0 * acc[0][2 * e + 1] + w1 * acc[1][2 * e + 1]) * inv);
+  }
+  *reinterpret_cast<uint4*>(out + at) = result;
+}
+
 template <int kN>
 int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
                  cudaStream_t stream) {
@@ -123,7 +185,7 @@ int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
   if (vectors & (vectors - 1)) return -1;
   int vectors_log2 = 0;
   while ((1 << vectors_log2) < vectors) ++vectors_log2;
-  const FewLaunch shape = make_few_launch(vectors * s_lanes, p.rows, sm_count);
+  const FewLaunch shape = make_few_launch(vectors * (s_lanes ? s_lanes : 1), p.rows, sm_count);
   const dim3 grid(static_cast<unsigned>(shape.ctas)), block(shape.cta_threads);
   const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
   auto* out = static_cast<__nv_bfloat16*>(p.out);
@@ -135,6 +197,10 @@ int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
     case 1: KVSPLIT_LAB_SPLIT(1); break;
     case 2: KVSPLIT_LAB_SPLIT(2); break;
     case 4: if constexpr (kN >= 4) KVSPLIT_LAB_SPLIT(4); break;
+    case 0:
+      phase_kernel<kN><<<grid, block, 0, stream>>>(o, p.stats, out, rows, vectors_log2,
+                                                   p.o_stride_split, p.stats_stride_split);
+      break;
     default: return -1;
   }
 #undef KVSPLIT_LAB_SPLIT
@@ -147,7 +213,7 @@ int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
 using namespace kvsplit;
 
 // variant: 0 product v1, 1 product v2, 2 + k: split S = 1, 2, 4 (k = 0, 1, 2), 5 + k: half
-// S = 2, 4 (k = 0, 1).
+// S = 2, 4 (k = 0, 1), 7: phase.
 extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
   flatten_rows(p);
@@ -161,7 +227,7 @@ extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, v
     if (!status.ok()) return static_cast<int>(status.error);
     return static_cast<int>(cudaGetLastError());
   }
-  const int s_lanes = variant <= 4 ? 1 << (variant - 2) : 2 << (variant - 5);
+  const int s_lanes = variant == 7 ? 0 : variant <= 4 ? 1 << (variant - 2) : 2 << (variant - 5);
   const bool spread = variant >= 5;
   int result = -1;
   switch (p.num_splits) {

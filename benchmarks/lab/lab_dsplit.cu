@@ -30,9 +30,3 @@ extern "C" int lab_empty(int grid, int threads, void* stream) {
   lab_empty_kernel<<<grid, threads, 0, static_cast<cudaStream_t>(stream)>>>();
   return static_cast<int>(cudaGetLastError());
 }
-
-extern "C" int lab_read(const void* o, int64_t o_bytes, const void* stats, int64_t stats_bytes,
-                        void* out, int64_t out_bytes, void* stream) {
-  return static_cast<int>(
-      kvsplit::launch_read_probe(o, o_bytes, stats, stats_bytes, out, out_bytes, stream).error);
-}

@@ -152,7 +152,7 @@ def lane_bytes(variant: str) -> int:
     return LANE_BYTES.get(variant, 16)
 
 
-SOURCES = ["benchmarks/lab/lab_dsplit.cu", "csrc/cuda/probe.cu"]
+SOURCES = ["benchmarks/lab/lab_dsplit.cu"]
 SHAPES = [(512, 64, 16), (128, 32, 16), (128, 256, 16), (512, 512, 16), (128, 32, 64),
           (512, 64, 64), (128, 32, 264), (512, 64, 132), (512, 128, 16), (512, 2048, 16),
           (128, 2048, 16), (128, 2048, 32)]
@@ -202,13 +202,9 @@ def load_all(names):
     return {name: ctypes.CDLL(str(path)) for name, path in zip(names, paths)}
 
 
-def stream():
-    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-
-
 def dsplit_run(lib, p, slices, kv_split, depth):
     def run(i):
-        status = lib.lab_dsplit(ctypes.byref(p), slices, kv_split, depth, stream())
+        status = lib.lab_dsplit(ctypes.byref(p), slices, kv_split, depth, labkit.stream())
         assert status == 0, status
     return run
 
@@ -216,9 +212,7 @@ def dsplit_run(lib, p, slices, kv_split, depth):
 def read_run(lib, o, lse, out):
     """The read probe over the shape's partials, stats and output."""
     def run(i):
-        lib.lab_read(ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
-                     ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
-                     ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+        labkit.read_probe(lib, o, lse, out)
     return run
 
 
@@ -299,7 +293,7 @@ def main() -> int:
         again = {name: dsplit_run(lib, p, slices, kv_split, depth) for name, lib in libs.items()
                  if lane_bytes(name) == 16}
         again["read"] = runs[("read",)]
-        again["empty"] = lambda i: libs["product"].lab_empty(grid, block, stream())
+        again["empty"] = lambda i: libs["product"].lab_empty(grid, block, labkit.stream())
         fixed = {key: t.median_us for key, t in
                  timing.time_cuda_graphs(again, batch=64, replays=11).items()}
         record[shape]["fixed"] = {"config": [slices, kv_split, depth], **fixed}

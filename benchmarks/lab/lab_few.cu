@@ -19,9 +19,3 @@ extern "C" int lab_few(const kvsplit::MergeParams* params, int vectors, int sm_c
   }
   return status.ok() ? 0 : static_cast<int>(status.error);
 }
-
-extern "C" int lab_read(const void* o, int64_t o_bytes, const void* stats, int64_t stats_bytes,
-                        void* out, int64_t out_bytes, void* stream) {
-  return static_cast<int>(
-      kvsplit::launch_read_probe(o, o_bytes, stats, stats_bytes, out, out_bytes, stream).error);
-}

@@ -36,7 +36,7 @@ VARIANTS = {
     "min2": "-DKVSPLIT_FEW_MIN_CTAS=2",              # at most 128 registers a thread
     "min4": "-DKVSPLIT_FEW_MIN_CTAS=4",              # at most 64
 }
-SOURCES = ["benchmarks/lab/lab_few.cu", "csrc/cuda/probe.cu"]
+SOURCES = ["benchmarks/lab/lab_few.cu"]
 # (rows = tokens x heads, head_dim, N)
 SHAPES = [(32, 128, 2), (16, 512, 2), (4096, 128, 2), (32768, 128, 2), (16384, 512, 2),
           (32, 128, 8), (4096, 128, 8), (32768, 128, 4), (32, 128, 16), (4096, 128, 16),
@@ -47,20 +47,6 @@ def load_all(names):
     with ThreadPoolExecutor(len(names)) as pool:
         paths = list(pool.map(lambda n: labkit.build("few_" + n, VARIANTS[n], SOURCES), names))
     return {name: ctypes.CDLL(str(path)) for name, path in zip(names, paths)}
-
-
-def stream():
-    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-
-
-def problem(rows, head_dim, num_splits, generator):
-    lse = (torch.randn(num_splits, rows, generator=generator) * 2).cuda()
-    o = torch.randn(num_splits, rows, head_dim, generator=generator).cuda().bfloat16()
-    out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
-    weights = torch.softmax(lse.double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), 0)
-    reference = (weights.unsqueeze(-1) * o.double()).sum(0)
-    p = labkit.row_params(o, lse, out, stats_format=1, log2_scale=1.0, export_scale=1.0)
-    return (o, lse, out), p, reference
 
 
 def main() -> int:
@@ -76,13 +62,13 @@ def main() -> int:
     lines = ["| rows | D | N | read | " + " | ".join(names) + " |",
              "|---" * (4 + len(names)) + "|"]
     for rows, head_dim, num_splits in SHAPES:
-        (o, lse, out), p, reference = problem(rows, head_dim, num_splits, g)
+        (o, lse, out), p, reference = labkit.problem(rows, head_dim, num_splits, g)
         vectors = [v for v in (1, 2, 4) if (v - 1) * -(-(head_dim // 8) // v) < head_dim // 8]
         runs = {}
         for name, lib in libs.items():
             for v in vectors:
                 def run(i, lib=lib, v=v):
-                    status = lib.lab_few(ctypes.byref(p), v, sm_count, stream())
+                    status = lib.lab_few(ctypes.byref(p), v, sm_count, labkit.stream())
                     assert status == 0, status
                 out.fill_(float("nan"))
                 run(0)
@@ -91,10 +77,7 @@ def main() -> int:
                 assert error < 2e-2, (name, v, error)
                 runs[(name, v)] = run
         lib = next(iter(libs.values()))
-        runs["read"] = lambda i: lib.lab_read(
-            ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
-            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
-            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+        runs["read"] = lambda i: labkit.read_probe(lib, o, lse, out)
         launch_us = (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0
         times = {key: t.median_us for key, t in timing.time_cuda_graphs(
             runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}
@@ -107,9 +90,7 @@ def main() -> int:
         print(lines[-1], flush=True)
     text = ("best over vectors a thread (F1/F2/F4), us per launch, graph replay in turns, "
             "L2-warm\n" + "\n".join(lines))
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lab_few.md").write_text(text + "\n")
+    labkit.report(args.out, "lab_few.md", text)
     return 0
 
 

@@ -380,13 +380,3 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
   }
   return static_cast<int>(cudaGetLastError());
 }
-
-extern "C" int lab_fixed_read(const void* o, int64_t o_bytes, const void* stats,
-                              int64_t stats_bytes, void* out, int64_t out_bytes, void* stream) {
-  return static_cast<int>(
-      launch_read_probe(o, o_bytes, stats, stats_bytes, out, out_bytes, stream).error);
-}
-
-extern "C" int lab_fixed_noop(int grid, void* stream) {
-  return static_cast<int>(launch_noop(grid, stream).error);
-}

@@ -34,29 +34,20 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
     args = parser.parse_args()
-    lib = ctypes.CDLL(str(labkit.build("fixed", "", ["benchmarks/lab/lab_fixed.cu",
-                                                     "csrc/cuda/probe.cu"])))
+    lib = ctypes.CDLL(str(labkit.build("fixed", "", ["benchmarks/lab/lab_fixed.cu"])))
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     timing.spin_up_gpu()
     g = torch.Generator().manual_seed(0)
-
-    def stream():
-        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
     names = ["noop", "read", "triton", "triton4w"] + VARIANTS
     lines = ["| rows | D | " + " | ".join(names) + " | product - bare | bare - hand16 |",
              "|---" * (len(names) + 4) + "|"]
     for rows, head_dim in SHAPES:
-        lse = (torch.randn(2, rows, generator=g) * 2).cuda()
-        o = torch.randn(2, rows, head_dim, generator=g).cuda().bfloat16()
-        out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
-        weights = torch.softmax(lse.double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), 0)
-        reference = (weights.unsqueeze(-1) * o.double()).sum(0)
-        p = labkit.row_params(o, lse, out, stats_format=1, log2_scale=1.0, export_scale=1.0)
+        (o, lse, out), p, reference = labkit.problem(rows, head_dim, 2, g)
         runs = {}
         for k, name in enumerate(VARIANTS):
             def run(i, k=k):
-                status = lib.lab_fixed(ctypes.byref(p), k, sm_count, stream())
+                status = lib.lab_fixed(ctypes.byref(p), k, sm_count, labkit.stream())
                 assert status == 0, status
             out.fill_(float("nan"))
             run(0)
@@ -64,11 +55,8 @@ def main() -> int:
             error = (out.double() - reference).abs().max().item()
             assert error < 2e-2, (name, error)
             runs[name] = run
-        runs["noop"] = lambda i: lib.lab_fixed_noop(1, stream())
-        runs["read"] = lambda i: lib.lab_fixed_read(
-            ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
-            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
-            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+        runs["noop"] = lambda i: lib.lab_noop(1, labkit.stream())
+        runs["read"] = lambda i: labkit.read_probe(lib, o, lse, out)
         runs["triton"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0)
         runs["triton4w"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0,
                                                         num_warps=4)
@@ -79,9 +67,7 @@ def main() -> int:
                      + f" | {times['product'] - times['bare']:+.2f} | {times['bare'] - times['hand16']:+.2f} |")
         print(lines[-1], flush=True)
     text = "us per launch, N = 2, bf16, graph replay in turns, L2-warm\n" + "\n".join(lines)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lab_fixed.md").write_text(text + "\n")
+    labkit.report(args.out, "lab_fixed.md", text)
     return 0
 
 

@@ -52,6 +52,29 @@ __device__ __forceinline__ float load_f32(const float* at, bool on) {
   return v;
 }
 
+// Every load of a thread's kCount states, issued before any arithmetic.
+template <int kCount>
+__device__ __forceinline__ void load_states(const __nv_bfloat16* o, const float* s, int64_t o_split,
+                                            int64_t s_split, bool active, uint4 (&raw)[kCount],
+                                            float (&m_in)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i, o += o_split, s += s_split) {
+    raw[i] = load_v4(o, active);
+    m_in[i] = load_f32(s, active);
+  }
+}
+
+// acc += w x for the eight bf16 values of a 16-byte vector.
+__device__ __forceinline__ void accumulate(const uint4& raw, float w, float (&acc)[8]) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 v = __bfloat1622float2(x[e]);
+    acc[2 * e] = fmaf(w, v.x, acc[2 * e]);
+    acc[2 * e + 1] = fmaf(w, v.y, acc[2 * e + 1]);
+  }
+}
+
 template <int kN, int kS, bool kSpreadStore>
 __global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, const float* s,
                                                     __nv_bfloat16* out, uint32_t rows,
@@ -64,15 +87,10 @@ __global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, cons
   const uint32_t row = vector >> vectors_log2;
   const bool active = row < rows;
   const int64_t at = int64_t{vector} * 8;
-  const __nv_bfloat16* mine = o + int64_t{sub} * kPer * o_split + at;
-  const float* stat = s + int64_t{sub} * kPer * s_split + row;
   uint4 raw[kPer];
   float m_in[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i, mine += o_split, stat += s_split) {
-    raw[i] = load_v4(mine, active);
-    m_in[i] = load_f32(stat, active);
-  }
+  load_states(o + int64_t{sub} * kPer * o_split + at, s + int64_t{sub} * kPer * s_split + row,
+              o_split, s_split, active, raw, m_in);
   float m = m_in[0];
 #pragma unroll
   for (int i = 1; i < kPer; ++i) m = fmaxf(m, m_in[i]);
@@ -84,13 +102,7 @@ __global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, cons
   for (int i = 0; i < kPer; ++i) {
     const float w = fast_exp2(m_in[i] - anchor);
     l += w;
-    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 v = __bfloat1622float2(x[e]);
-      acc[2 * e] = fmaf(w, v.x, acc[2 * e]);
-      acc[2 * e + 1] = fmaf(w, v.y, acc[2 * e + 1]);
-    }
+    accumulate(raw[i], w, acc);
   }
 #pragma unroll
   for (int k = 1; k < kS; k <<= 1) {
@@ -132,15 +144,9 @@ __global__ void __launch_bounds__(256) phase_kernel(const __nv_bfloat16* o, cons
   const uint32_t row = vector >> vectors_log2;
   const bool active = row < rows;
   const int64_t at = int64_t{vector} * 8;
-  const __nv_bfloat16* mine = o + at;
-  const float* stat = s + row;
   uint4 raw[kN];
   float m_in[kN];
-#pragma unroll
-  for (int i = 0; i < kN; ++i, mine += o_split, stat += s_split) {
-    m_in[i] = load_f32(stat, active);
-    raw[i] = load_v4(mine, active);
-  }
+  load_states(o + at, s + row, o_split, s_split, active, raw, m_in);
   float m[2], l[2] = {0.f, 0.f}, acc[2][8] = {};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -152,13 +158,7 @@ __global__ void __launch_bounds__(256) phase_kernel(const __nv_bfloat16* o, cons
     for (int i = 0; i < kHalf; ++i) {
       const float w = fast_exp2(m_in[h * kHalf + i] - anchor);
       l[h] += w;
-      const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw[h * kHalf + i]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 v = __bfloat1622float2(x[e]);
-        acc[h][2 * e] = fmaf(w, v.x, acc[h][2 * e]);
-        acc[h][2 * e + 1] = fmaf(w, v.y, acc[h][2 * e + 1]);
-      }
+      accumulate(raw[h * kHalf + i], w, acc[h]);
     }
   }
   if (!active) return;
@@ -238,10 +238,4 @@ extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, v
   }
   if (result != 0) return result;
   return static_cast<int>(cudaGetLastError());
-}
-
-extern "C" int lab_split_read(const void* o, int64_t o_bytes, const void* stats,
-                              int64_t stats_bytes, void* out, int64_t out_bytes, void* stream) {
-  return static_cast<int>(
-      launch_read_probe(o, o_bytes, stats, stats_bytes, out, out_bytes, stream).error);
 }

@@ -33,42 +33,29 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp"))
     args = parser.parse_args()
-    lib = ctypes.CDLL(str(labkit.build("split", "", ["benchmarks/lab/lab_split.cu",
-                                                     "csrc/cuda/probe.cu"])))
+    lib = ctypes.CDLL(str(labkit.build("split", "", ["benchmarks/lab/lab_split.cu"])))
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     timing.spin_up_gpu()
     g = torch.Generator().manual_seed(0)
-
-    def stream():
-        return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
     names = ["read"] + VARIANTS
     lines = ["| rows | D | N | MB | " + " | ".join(names) + " | best / read | best |",
              "|---" * (len(names) + 6) + "|"]
     for rows, head_dim, num_splits in SHAPES:
-        lse = (torch.randn(num_splits, rows, generator=g) * 2).cuda()
-        lse[0, :: 7] = float("-inf")  # some empty states
-        o = torch.randn(num_splits, rows, head_dim, generator=g).cuda().bfloat16()
-        out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
-        weights = torch.softmax(lse.double() * torch.log(torch.tensor(2.0, dtype=torch.float64)), 0)
-        reference = (weights.unsqueeze(-1) * o.double()).sum(0)
-        p = labkit.row_params(o, lse, out, stats_format=1, log2_scale=1.0, export_scale=1.0)
+        (o, lse, out), p, reference = labkit.problem(rows, head_dim, num_splits, g, empty_every=7)
         runs = {}
         for k, name in enumerate(VARIANTS):
             def run(i, k=k):
-                status = lib.lab_split(ctypes.byref(p), k, sm_count, stream())
+                status = lib.lab_split(ctypes.byref(p), k, sm_count, labkit.stream())
                 assert status == 0, status
             out.fill_(float("nan"))
-            if lib.lab_split(ctypes.byref(p), k, sm_count, stream()) != 0:
+            if lib.lab_split(ctypes.byref(p), k, sm_count, labkit.stream()) != 0:
                 continue  # not for this shape (two vectors of a short row)
             torch.cuda.synchronize()
             error = (out.double() - reference).abs().max().item()
             assert error < 2e-2, (name, rows, head_dim, num_splits, error)
             runs[name] = run
-        runs["read"] = lambda i: lib.lab_split_read(
-            ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * 2),
-            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int64(lse.numel() * 4),
-            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(out.numel() * 2), stream())
+        runs["read"] = lambda i: labkit.read_probe(lib, o, lse, out)
         megabytes = (o.numel() * 2 + lse.numel() * 4 + out.numel() * 2) / 1e6
         launch_us = megabytes / 4 + 2.0
         times = {key: t.median_us for key, t in timing.time_cuda_graphs(
@@ -79,9 +66,7 @@ def main() -> int:
                      + f" | {times[best] / times['read']:.2f} | {best} |")
         print(lines[-1], flush=True)
     text = "us per launch, bf16, base-2 LSE, graph replay in turns, L2-warm\n" + "\n".join(lines)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lab_split.md").write_text(text + "\n")
+    labkit.report(args.out, "lab_split.md", text)
     return 0
 
 

@@ -71,14 +71,59 @@ def row_params(o, stats, out, **fields) -> Params:
                   **fields)
 
 
+#: Linked into every lab library: ``lab_read`` (the read probe) and ``lab_noop`` (an empty kernel).
+PROBE_SOURCES = ["benchmarks/lab/lab_probe.cu", "csrc/cuda/probe.cu"]
+
+
+def stream() -> ctypes.c_void_p:
+    """The current CUDA stream as the lab libraries take it."""
+    import torch
+
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def read_probe(lib, o, stats, out) -> int:
+    """The read probe over ``o``'s and ``stats``' bytes, writing ``out``'s (a lab library's)."""
+    return lib.lab_read(ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * o.element_size()),
+                        ctypes.c_void_p(stats.data_ptr()),
+                        ctypes.c_int64(stats.numel() * stats.element_size()),
+                        ctypes.c_void_p(out.data_ptr()),
+                        ctypes.c_int64(out.numel() * out.element_size()), stream())
+
+
+def problem(rows: int, head_dim: int, num_splits: int, generator, empty_every: int = 0):
+    """A split-major merge on the GPU: bf16 partials (N, rows, D), base-2 LSE (N, rows) (state 0
+    empty in every ``empty_every``-th row), a bf16 output; returns ((o, lse, out), Params, the
+    float64 reference)."""
+    import torch
+
+    lse = (torch.randn(num_splits, rows, generator=generator) * 2).cuda()
+    if empty_every:
+        lse[0, ::empty_every] = float("-inf")
+    o = torch.randn(num_splits, rows, head_dim, generator=generator).cuda().bfloat16()
+    out = torch.empty(rows, head_dim, dtype=torch.bfloat16, device="cuda")
+    weights = torch.softmax(lse.double() * math.log(2.0), 0)
+    reference = (weights.unsqueeze(-1) * o.double()).sum(0)
+    p = row_params(o, lse, out, stats_format=1, log2_scale=1.0, export_scale=1.0)
+    return (o, lse, out), p, reference
+
+
 def build(name: str, flags: str, sources: list[str]) -> pathlib.Path:
-    """``sources`` (paths under the repository) with ``flags`` into FOLDER/name.so."""
+    """``sources`` (paths under the repository) and PROBE_SOURCES with ``flags`` into
+    FOLDER/name.so."""
     FOLDER.mkdir(exist_ok=True)
     target = FOLDER / (name.replace(",", "_") + ".so")
-    files = " ".join(str(ROOT / source) for source in sources)
+    files = " ".join(str(ROOT / source) for source in [*sources, *PROBE_SOURCES])
     cmd = (f"nvcc -O3 -std=c++17 --expt-relaxed-constexpr -lineinfo "
            f"-gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -shared -DKVSPLIT_WITH_CUDA "
            f"{flags} -I{ROOT / 'csrc/include'} -o {target} {files}")
     if not target.exists():  # --one reuses the table run's build
         subprocess.run(cmd, shell=True, check=True)
     return target
+
+
+def report(folder: pathlib.Path, name: str, text: str) -> None:
+    """Prints a lab's table and writes it to ``folder/name``."""
+    print(text)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text + "\n")

@@ -486,6 +486,15 @@ PyObject* call_add(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "call_add(plan, reversed, form, *args)");
     return nullptr;
   }
+  // A form that merges into its first part writes over that part: plans take it first.
+  if (args[1] == Py_True && PyLong_CheckExact(args[2])) {
+    const long form_id = PyLong_AsLong(args[2]);
+    if (form_id >= 0 && form_id < static_cast<long>(s.forms.size()) && s.forms[form_id].into_first) {
+      PyErr_SetString(PyExc_ValueError, "call_add: a form that merges into its first part takes "
+                                        "its parts in order");
+      return nullptr;
+    }
+  }
   if (s.api == nullptr) Py_RETURN_FALSE;
   const CallPlan* plan = nullptr;
   try {

@@ -227,3 +227,9 @@ def test_a_form_that_merges_into_its_first_part_names_no_outputs():
                          ([roles.PARTIAL_O, roles.STATS], {})):
         with pytest.raises(ValueError, match="merges into its first part"):
             _kernel.call_form(bad, into_first=True, **options)
+    form = _kernel.call_form([roles.PARTIAL_O, roles.STATS, roles.PARTIAL_O, roles.STATS],
+                             into_first=True)
+    tensors = [torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2),
+               torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2)]
+    with pytest.raises(ValueError, match="takes its parts in order"):
+        _kernel.call_add(None, True, form, *tensors)

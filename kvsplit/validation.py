@@ -254,10 +254,16 @@ def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: t
             raise ValueError("pass_through_from and indptr cannot be combined")
     if (extras.request_starts is None) != (extras.request_ops is None):
         raise ValueError("request_starts and request_ops go together")
-    if extras.request_starts is not None:
+    if not isinstance(extras.pair_stats, bool):
+        raise TypeError(f"pair_stats must be a bool, got {type(extras.pair_stats).__name__}")
+    # The kernel that reads them (the Few family's TensorRT-LLM instance) takes two LSE splits.
+    if extras.request_starts is not None or extras.pair_stats:
         if num_splits != 2 or extras.indptr is not None or extras.pass_through_from is not None:
-            raise ValueError("per-request ops merge two splits, without indptr or "
-                             "pass_through_from")
+            raise ValueError("per-request ops and pair stats merge two splits, without indptr "
+                             "or pass_through_from")
+        if fmt != LSE:
+            raise ValueError("per-request ops and pair stats take LSE stats")
+    if extras.request_starts is not None:
         for name in ("request_starts", "request_ops"):
             value = getattr(extras, name)
             if not isinstance(value, torch.Tensor):
@@ -270,10 +276,6 @@ def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: t
         if extras.request_starts.shape[0] != extras.request_ops.shape[0] + 1:
             raise ValueError(f"request_starts needs one more entry than request_ops, got "
                              f"{extras.request_starts.shape[0]} and {extras.request_ops.shape[0]}")
-    if not isinstance(extras.pair_stats, bool):
-        raise TypeError(f"pair_stats must be a bool, got {type(extras.pair_stats).__name__}")
-    if (extras.request_starts is not None or extras.pair_stats) and fmt != LSE:
-        raise ValueError("per-request ops and pair stats take LSE stats")
 
 
 def _heads(row_shape: tuple, sinks) -> int:

@@ -200,6 +200,9 @@ def test_request_options_are_checked_before_anything_is_written():
     with pytest.raises(ValueError, match="two splits"):
         merge_call(LSE, (a, b, a), (sa, sb, sa), math.e, extras=Extras(request_starts=starts,
                                                                     request_ops=ops))
+    with pytest.raises(ValueError, match="two splits"):  # pair stats alone: the same kernel
+        merge_call(LSE, torch.stack([a, b, a]), torch.zeros(3, 4, 2, 2)[..., 0], math.e,
+                   extras=Extras(pair_stats=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

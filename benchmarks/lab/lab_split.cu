@@ -20,6 +20,19 @@
 //                     summed vector instead of the first lane all 16;
 //   phase             split 1 with its states merged in two halves, each
 //                     weighed against its own max (phase_kernel).
+//   m-base / m-ldg / m-math / m-addr / m-all
+//                     split 1 taking MergeParams (m-base), then with one part
+//                     of the product's lean kernel each, to say what product
+//                     v1 - split1 is made of: its loads (load_packed and
+//                     __ldg, each predicated by a ternary: m-ldg), its math
+//                     (MergeState's round with the empty-stat test, the log2
+//                     scale and the fresh state's rescale, finalize_lse,
+//                     store_out: m-math), its addressing (row and lane by
+//                     FastDivmod, token and head by another, 32-bit offsets
+//                     from each tensor's strides, the lane check, PDL
+//                     instructions, cudaLaunchKernelEx: m-addr); m-all has
+//                     all three (the product's lean merge without its
+//                     epilogue's export and in-place checks).
 #include <cuda_bf16.h>
 
 #include "kvsplit/launch.h"
@@ -178,6 +191,116 @@ __global__ void __launch_bounds__(256) phase_kernel(const __nv_bfloat16* o, cons
   *reinterpret_cast<uint4*>(out + at) = result;
 }
 
+// split1 as a MergeParams kernel, with the product lean kernel's loads (kLdg),
+// math (kMath) and addressing (kAddr) each switched in on its own.
+template <int kN, bool kLdg, bool kMath, bool kAddr>
+__global__ void __launch_bounds__(256) morph_kernel(const MergeParams p, const FewGeometry geo,
+                                                    int vectors_log2) {
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
+  const float* s = p.stats;
+  int64_t o_at, s_at, out_at;
+  bool active, holds = true;
+  if constexpr (kAddr) {
+    const uint32_t row = geo.lanes.div(thread);
+    const int lane = static_cast<int>(thread - row * geo.lanes.divisor);
+    const auto token = static_cast<int32_t>(geo.heads.div(row));
+    const auto head = static_cast<int32_t>(row - token * geo.heads.divisor);
+    active = row < p.rows;
+    holds = lane < geo.row_vectors;
+    o_at = token * static_cast<int32_t>(p.o_row.token) +
+           head * static_cast<int32_t>(p.o_row.head) + lane * 8;
+    s_at = token * static_cast<int32_t>(p.stats_row.token) +
+           head * static_cast<int32_t>(p.stats_row.head);
+    out_at = token * static_cast<int32_t>(p.out_row.token) +
+             head * static_cast<int32_t>(p.out_row.head) + lane * 8;
+    pdl_wait();
+  } else {
+    const uint32_t row = thread >> vectors_log2;
+    active = row < p.rows;
+    o_at = out_at = int64_t{thread} * 8;
+    s_at = row;
+  }
+  const bool on = active && holds;
+  uint4 raw[kN];
+  float m_in[kN];
+  if constexpr (kLdg) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const Packed<16> packed = on ? load_packed<16>(o + o_at + i * p.o_stride_split) : Packed<16>{};
+      raw[i] = *reinterpret_cast<const uint4*>(&packed);
+      m_in[i] = active ? __ldg(s + s_at + i * p.stats_stride_split) : neg_inf();
+    }
+  } else {
+    load_states(o + o_at, s + s_at, p.o_stride_split, p.stats_stride_split, on, raw, m_in);
+  }
+  if constexpr (kAddr) pdl_trigger();
+  float result[8];
+  if constexpr (kMath) {
+    float l_in[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      l_in[i] = 1.f;
+      if (m_in[i] == p.empty_stat) m_in[i] = neg_inf();
+    }
+    MergeState<8> state;
+    state.reset();
+    state.merge_batch(
+        m_in, l_in,
+        [&](int j, int e) {
+          return unpack<DType::kBFloat16>(*reinterpret_cast<const Packed<16>*>(&raw[j]), e);
+        },
+        p.log2_scale);
+    float log2_rel;
+    state.finalize_lse(result, log2_rel);
+  } else {
+    float m = m_in[0];
+#pragma unroll
+    for (int i = 1; i < kN; ++i) m = fmaxf(m, m_in[i]);
+    const float anchor = m == neg_inf() ? 0.f : m;
+    float acc[8] = {}, l = 0.f;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const float w = fast_exp2(m_in[i] - anchor);
+      l += w;
+      accumulate(raw[i], w, acc);
+    }
+    const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) result[e] = acc[e] * inv;
+  }
+  if (!on) return;
+  store_out<8, DType::kBFloat16>(p.out, out_at, result);
+}
+
+// variant 0 m-base, 1 m-ldg, 2 m-math, 3 m-addr, 4 m-all.
+template <int kN>
+int launch_morph(int variant, const MergeParams& p, int sm_count, cudaStream_t stream) {
+  const int vectors = static_cast<int>(p.head_dim / 8);
+  if (vectors & (vectors - 1)) return -1;
+  int vectors_log2 = 0;
+  while ((1 << vectors_log2) < vectors) ++vectors_log2;
+  const FewLaunch shape = make_few_launch(vectors, p.rows, sm_count);
+  MergeParams lean;
+  uint32_t heads = 1;
+  if (!few_lean_call(p, p.rows * vectors, kN, lean, heads)) return -2;
+  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(vectors)), vectors, shape.rows_per_pass,
+                        true, FastDivmod(heads)};
+  PdlLaunch launch(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(shape.cta_threads), 0,
+                   stream, false);
+  void (*const kernels[])(MergeParams, FewGeometry, int) = {
+      morph_kernel<kN, false, false, false>, morph_kernel<kN, true, false, false>,
+      morph_kernel<kN, false, true, false>, morph_kernel<kN, false, false, true>,
+      morph_kernel<kN, true, true, true>};
+  if (variant == 3 || variant == 4) {
+    return static_cast<int>(
+        cudaLaunchKernelEx(&launch.config, kernels[variant], lean, geo, vectors_log2));
+  }
+  kernels[variant]<<<dim3(static_cast<unsigned>(shape.ctas)), dim3(shape.cta_threads), 0,
+                     stream>>>(lean, geo, vectors_log2);
+  return 0;
+}
+
 template <int kN>
 int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
                  cudaStream_t stream) {
@@ -213,7 +336,7 @@ int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
 using namespace kvsplit;
 
 // variant: 0 product v1, 1 product v2, 2 + k: split S = 1, 2, 4 (k = 0, 1, 2), 5 + k: half
-// S = 2, 4 (k = 0, 1), 7: phase.
+// S = 2, 4 (k = 0, 1), 7: phase, 8 + k: m-base, m-ldg, m-math, m-addr, m-all (k = 0 ... 4).
 extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
   flatten_rows(p);
@@ -225,6 +348,17 @@ extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, v
     const Status status = launch_few_typed<DType::kBFloat16, StatsFormat::kLse>(
         p, config, sm_count, false, stream);
     if (!status.ok()) return static_cast<int>(status.error);
+    return static_cast<int>(cudaGetLastError());
+  }
+  if (variant >= 8) {
+    int result = -1;
+    switch (p.num_splits) {
+      case 4: result = launch_morph<4>(variant - 8, p, sm_count, stream); break;
+      case 8: result = launch_morph<8>(variant - 8, p, sm_count, stream); break;
+      case 16: result = launch_morph<16>(variant - 8, p, sm_count, stream); break;
+      default: return -1;
+    }
+    if (result != 0) return result;
     return static_cast<int>(cudaGetLastError());
   }
   const int s_lanes = variant == 7 ? 0 : variant <= 4 ? 1 << (variant - 2) : 2 << (variant - 5);

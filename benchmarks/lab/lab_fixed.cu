@@ -130,9 +130,8 @@ __global__ void __launch_bounds__(256, 1) any_kernel(const MergeParams p, const 
 }
 
 template <int kMinCtas>
-__global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const MergeParams p,
-                                                                     const FewGeometry geo) {
-  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p, geo);
+__global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const FewLeanParams p) {
+  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p);
 }
 
 // The product's lean merge for these calls (flat rows, bf16, base-2 LSE, two
@@ -141,15 +140,16 @@ __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const Merge
 // 8 no in-place sync, export or vector check, 16 an early exit.
 template <int kParts>
 __global__ void __launch_bounds__(256, 1) lean_parts_kernel(const MergeParams p,
-                                                            const FewGeometry geo) {
+                                                            const FewGeometry geo,
+                                                            const FastDivmod heads) {
   constexpr bool kConstLive = kParts & 1, kNoLoop = kParts & 2, kGeneralFinalize = kParts & 4;
   constexpr bool kNoChecks = kParts & 8, kEarlyExit = kParts & 16;
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t row = geo.lanes.div(thread);
   const int lanes = static_cast<int>(geo.lanes.divisor);
   const int lane = static_cast<int>(thread - row * geo.lanes.divisor);
-  const auto token = static_cast<int32_t>(geo.heads.div(row));
-  const auto head = static_cast<int32_t>(row - token * geo.heads.divisor);
+  const auto token = static_cast<int32_t>(heads.div(row));
+  const auto head = static_cast<int32_t>(row - token * heads.divisor);
   const bool active = row < p.rows;
   if (kEarlyExit && !active) return;
   bool holds[1] = {kNoChecks || lane < geo.row_vectors};
@@ -306,7 +306,7 @@ FewGeometry geometry(const MergeParams& p, int sm_count, FewLaunch& shape) {
   const int lanes = few_threads_per_row(p.head_dim, 2, 1);
   shape = make_few_launch(lanes, p.rows, sm_count);
   return FewGeometry{FastDivmod(static_cast<uint32_t>(lanes)), p.head_dim * 2 / kBytesPerThread,
-                     shape.rows_per_pass, true, FastDivmod(1)};
+                     shape.rows_per_pass, true};
 }
 
 }  // namespace
@@ -360,13 +360,16 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       if (!few_lean_call(p, p.rows * static_cast<int64_t>(geo.lanes.divisor), 2, lean, heads)) {
         return -1;
       }
-      FewGeometry lean_geo = geo;
-      lean_geo.heads = FastDivmod(heads);
-      void (*const kernels[])(MergeParams, FewGeometry) = {
-          lean_bounded_kernel<8>, lean_bounded_kernel<6>, lean_bounded_kernel<4>,
-          lean_parts_kernel<1>,   lean_parts_kernel<2>,   lean_parts_kernel<4>,
-          lean_parts_kernel<8>,   lean_parts_kernel<16>,  lean_parts_kernel<31>};
-      kernels[variant - 16]<<<grid, block, 0, stream>>>(lean, lean_geo);
+      if (variant <= 18) {
+        void (*const bounded[])(FewLeanParams) = {lean_bounded_kernel<8>, lean_bounded_kernel<6>,
+                                                  lean_bounded_kernel<4>};
+        bounded[variant - 16]<<<grid, block, 0, stream>>>(few_lean_params(lean, heads, geo));
+        break;
+      }
+      void (*const kernels[])(MergeParams, FewGeometry, FastDivmod) = {
+          lean_parts_kernel<1>, lean_parts_kernel<2>,  lean_parts_kernel<4>,
+          lean_parts_kernel<8>, lean_parts_kernel<16>, lean_parts_kernel<31>};
+      kernels[variant - 19]<<<grid, block, 0, stream>>>(lean, geo, FastDivmod(heads));
       break;
     }
     default: {

@@ -33,6 +33,12 @@
 //                     instructions, cudaLaunchKernelEx: m-addr); m-all has
 //                     all three (the product's lean merge without its
 //                     epilogue's export and in-place checks).
+//   m-pad / m-far     split 1 with an unused 800-byte block beside its
+//                     arguments, after them (m-pad: the same constant-bank
+//                     offsets, a parameter block the size of MergeParams)
+//                     or before them (m-far: its fields at MergeParams-like
+//                     offsets): whether m-base - split1 is the block's size
+//                     or where its fields lie.
 #include <cuda_bf16.h>
 
 #include "kvsplit/launch.h"
@@ -191,11 +197,73 @@ __global__ void __launch_bounds__(256) phase_kernel(const __nv_bfloat16* o, cons
   *reinterpret_cast<uint4*>(out + at) = result;
 }
 
+// split_kernel<kN, 1, false>'s body, for the m-pad and m-far kernels.
+template <int kN>
+__device__ __forceinline__ void split_kernel_body(const __nv_bfloat16* o, const float* s,
+                                                  __nv_bfloat16* out, uint32_t rows,
+                                                  int vectors_log2, int64_t o_split,
+                                                  int64_t s_split) {
+  const uint32_t vector = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row = vector >> vectors_log2;
+  const bool active = row < rows;
+  const int64_t at = int64_t{vector} * 8;
+  uint4 raw[kN];
+  float m_in[kN];
+  load_states(o + at, s + row, o_split, s_split, active, raw, m_in);
+  float m = m_in[0];
+#pragma unroll
+  for (int i = 1; i < kN; ++i) m = fmaxf(m, m_in[i]);
+  const float anchor = m == neg_inf() ? 0.f : m;
+  float acc[8] = {}, l = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const float w = fast_exp2(m_in[i] - anchor);
+    l += w;
+    accumulate(raw[i], w, acc);
+  }
+  if (!active) return;
+  const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
+  uint4 result;
+  __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) r[e] = __floats2bfloat162_rn(acc[2 * e] * inv, acc[2 * e + 1] * inv);
+  *reinterpret_cast<uint4*>(out + at) = result;
+}
+
+struct SplitArgs {
+  const __nv_bfloat16* o;
+  const float* s;
+  __nv_bfloat16* out;
+  uint32_t rows;
+  int vectors_log2;
+  int64_t o_split;
+  int64_t s_split;
+};
+
+struct Pad {
+  int64_t unused[100];
+};
+
+template <int kN>
+__device__ __forceinline__ void split1_body(const SplitArgs& a) {
+  split_kernel_body<kN>(a.o, a.s, a.out, a.rows, a.vectors_log2, a.o_split, a.s_split);
+}
+
+template <int kN>
+__global__ void __launch_bounds__(256) pad_after_kernel(const SplitArgs a, const Pad) {
+  split1_body<kN>(a);
+}
+
+template <int kN>
+__global__ void __launch_bounds__(256) pad_before_kernel(const Pad, const SplitArgs a) {
+  split1_body<kN>(a);
+}
+
 // split1 as a MergeParams kernel, with the product lean kernel's loads (kLdg),
 // math (kMath) and addressing (kAddr) each switched in on its own.
 template <int kN, bool kLdg, bool kMath, bool kAddr>
 __global__ void __launch_bounds__(256) morph_kernel(const MergeParams p, const FewGeometry geo,
-                                                    int vectors_log2) {
+                                                    const FastDivmod heads, int vectors_log2) {
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
   const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
   const float* s = p.stats;
@@ -204,8 +272,8 @@ __global__ void __launch_bounds__(256) morph_kernel(const MergeParams p, const F
   if constexpr (kAddr) {
     const uint32_t row = geo.lanes.div(thread);
     const int lane = static_cast<int>(thread - row * geo.lanes.divisor);
-    const auto token = static_cast<int32_t>(geo.heads.div(row));
-    const auto head = static_cast<int32_t>(row - token * geo.heads.divisor);
+    const auto token = static_cast<int32_t>(heads.div(row));
+    const auto head = static_cast<int32_t>(row - token * heads.divisor);
     active = row < p.rows;
     holds = lane < geo.row_vectors;
     o_at = token * static_cast<int32_t>(p.o_row.token) +
@@ -273,7 +341,7 @@ __global__ void __launch_bounds__(256) morph_kernel(const MergeParams p, const F
   store_out<8, DType::kBFloat16>(p.out, out_at, result);
 }
 
-// variant 0 m-base, 1 m-ldg, 2 m-math, 3 m-addr, 4 m-all.
+// variant 0 m-base, 1 m-ldg, 2 m-math, 3 m-addr, 4 m-all, 5 m-pad, 6 m-far.
 template <int kN>
 int launch_morph(int variant, const MergeParams& p, int sm_count, cudaStream_t stream) {
   const int vectors = static_cast<int>(p.head_dim / 8);
@@ -281,23 +349,36 @@ int launch_morph(int variant, const MergeParams& p, int sm_count, cudaStream_t s
   int vectors_log2 = 0;
   while ((1 << vectors_log2) < vectors) ++vectors_log2;
   const FewLaunch shape = make_few_launch(vectors, p.rows, sm_count);
+  if (variant >= 5) {
+    const SplitArgs a{static_cast<const __nv_bfloat16*>(p.partial_o), p.stats,
+                      static_cast<__nv_bfloat16*>(p.out), static_cast<uint32_t>(p.rows),
+                      vectors_log2, p.o_stride_split, p.stats_stride_split};
+    const dim3 grid(static_cast<unsigned>(shape.ctas)), block(shape.cta_threads);
+    if (variant == 5) {
+      pad_after_kernel<kN><<<grid, block, 0, stream>>>(a, Pad{});
+    } else {
+      pad_before_kernel<kN><<<grid, block, 0, stream>>>(Pad{}, a);
+    }
+    return 0;
+  }
   MergeParams lean;
   uint32_t heads = 1;
   if (!few_lean_call(p, p.rows * vectors, kN, lean, heads)) return -2;
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(vectors)), vectors, shape.rows_per_pass,
-                        true, FastDivmod(heads)};
+                        true};
   PdlLaunch launch(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(shape.cta_threads), 0,
                    stream, false);
-  void (*const kernels[])(MergeParams, FewGeometry, int) = {
+  void (*const kernels[])(MergeParams, FewGeometry, FastDivmod, int) = {
       morph_kernel<kN, false, false, false>, morph_kernel<kN, true, false, false>,
       morph_kernel<kN, false, true, false>, morph_kernel<kN, false, false, true>,
       morph_kernel<kN, true, true, true>};
   if (variant == 3 || variant == 4) {
     return static_cast<int>(
-        cudaLaunchKernelEx(&launch.config, kernels[variant], lean, geo, vectors_log2));
+        cudaLaunchKernelEx(&launch.config, kernels[variant], lean, geo, FastDivmod(heads),
+                           vectors_log2));
   }
   kernels[variant]<<<dim3(static_cast<unsigned>(shape.ctas)), dim3(shape.cta_threads), 0,
-                     stream>>>(lean, geo, vectors_log2);
+                     stream>>>(lean, geo, FastDivmod(heads), vectors_log2);
   return 0;
 }
 

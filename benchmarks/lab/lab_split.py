@@ -23,7 +23,7 @@ import labkit  # noqa: E402
 timing = labkit.load("lab_timing", "autotune/timing.py")
 
 VARIANTS = ["product v1", "product v2", "split1", "split2", "split4", "half2", "half4", "phase",
-            "m-base", "m-ldg", "m-math", "m-addr", "m-all"]
+            "m-base", "m-ldg", "m-math", "m-addr", "m-all", "m-pad", "m-far"]
 # (rows, head_dim, N)
 SHAPES = [(4096, 128, 4), (4096, 128, 8), (4096, 128, 16), (1024, 512, 4), (1024, 512, 8),
           (1024, 512, 16), (2048, 256, 8), (8192, 64, 8), (8192, 64, 16), (32, 128, 16),

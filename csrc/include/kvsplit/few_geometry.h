@@ -157,15 +157,12 @@ KVSPLIT_HOST_DEVICE constexpr FewLaunch make_few_launch(int lanes, int64_t rows,
 // What the kernels need of the geometry: threads per row (as a divisor), the
 // row's vectors, the rows of one pass, and whether the call is plain: flat
 // rows, every row merging all num_splits states (no row mask, split counts,
-// indptr or pass-through rows), so that a row's offsets are one multiply;
-// for the lean kernel, heads per token (as a divisor).
+// indptr or pass-through rows), so that a row's offsets are one multiply.
 struct FewGeometry {
   FastDivmod lanes;
   int32_t row_vectors;
   int64_t rows_per_pass;
   bool plain;
-  // The lean kernel's rows: row = token * heads + head (heads 1 for flat rows).
-  FastDivmod heads;
 };
 
 }  // namespace kvsplit

@@ -227,6 +227,36 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
   reinterpret_cast<float4*>(first)[2] = odd ? mine : theirs;
 }
 
+// The lean kernel's parameters: what it reads of MergeParams and FewGeometry,
+// with 32-bit row strides (few_lean_call checks that every row offset fits),
+// in 144 bytes, the fields its first loads wait for in the first 88. Taking
+// MergeParams itself (920 bytes with the geometry, these fields spread over
+// it) cost a 5-10 MB merge 0.25-0.35 us with identical machine code
+// (benchmarks/lab/lab_split.py, m-base against split1).
+struct FewLeanParams {
+  const void* partial_o;
+  const float* stats;
+  int64_t o_split;  // elements from one state to the next
+  int64_t s_split;  // floats
+  FastDivmod lanes;  // threads a row
+  FastDivmod heads;  // row = token * heads + head
+  int32_t rows;
+  int32_t num_splits;
+  int32_t o_token, o_head;
+  int32_t s_token, s_head;
+  float log2_scale;
+  float empty_stat;
+  void* out;
+  int32_t out_token, out_head;
+  int32_t row_vectors;  // 16-byte vectors of a row
+  float export_scale;
+  float* out_stats;
+  int32_t out_stats_token, out_stats_head;
+  const float* out_scale;
+  bool stats_in_place;
+};
+static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay compact");
+
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
 // indptr or pass-through rows), rows are (token, head) with a stride each per
@@ -244,31 +274,28 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
 // branches on a runtime dtype at the end of a merge this short cost each
 // launch 0.1-0.2 us (benchmarks/lab/lab_outputs.py).
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
-__device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGeometry& geo) {
+__device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
   using Partial = typename CudaType<kPartial>::type;
 
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint32_t row = geo.lanes.div(thread);
-  const int lanes = static_cast<int>(geo.lanes.divisor);
-  const int lane = static_cast<int>(thread - row * geo.lanes.divisor);
-  const auto token = static_cast<int32_t>(geo.heads.div(row));
-  const auto head = static_cast<int32_t>(row - token * geo.heads.divisor);
-  const bool active = row < p.rows;
+  const uint32_t row = p.lanes.div(thread);
+  const int lanes = static_cast<int>(p.lanes.divisor);
+  const int lane = static_cast<int>(thread - row * p.lanes.divisor);
+  const auto token = static_cast<int32_t>(p.heads.div(row));
+  const auto head = static_cast<int32_t>(row - token * p.heads.divisor);
+  const bool active = row < static_cast<uint32_t>(p.rows);
   bool holds[kVectors];
 #pragma unroll
-  for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < geo.row_vectors;
+  for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < p.row_vectors;
 
   pdl_wait();
   // Issued before the merge's loads so that its latency hides behind theirs.
-  const float out_scale = is_fp8(kOut) ? load_out_scale(p) : 1.f;
-  // Row offsets in 32 bits (few_lean_call checks that they fit).
+  const float out_scale = is_fp8(kOut) && p.out_scale != nullptr ? __ldg(p.out_scale) : 1.f;
   const Partial* o = static_cast<const Partial*>(p.partial_o) +
-                     (token * static_cast<int32_t>(p.o_row.token) +
-                      head * static_cast<int32_t>(p.o_row.head) + lane * kVec);
-  const float* s = p.stats + (token * static_cast<int32_t>(p.stats_row.token) +
-                              head * static_cast<int32_t>(p.stats_row.head));
+                     (token * p.o_token + head * p.o_head + lane * kVec);
+  const float* s = p.stats + (token * p.s_token + head * p.s_head);
   MergeState<kElems> state;
   state.reset();
   // One round: the call's states fit it (few_lean_call). A loop over further
@@ -276,8 +303,8 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
   // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
   // four states and two vectors), fewer CTAs an SM at large row counts.
   merge_few_round<kDepth, kVectors, kPartial, kFormat>(
-      state, o, s, active ? static_cast<int>(p.num_splits) : 0, p.o_stride_split,
-      p.stats_stride_split, lanes * kVec, holds, p.log2_scale, p.empty_stat);
+      state, o, s, active ? p.num_splits : 0, p.o_split, p.s_split, lanes * kVec, holds,
+      p.log2_scale, p.empty_stat);
   pdl_trigger();
 
   float out[kElems], log2_rel;
@@ -285,16 +312,24 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (p.stats_in_place) __syncwarp();  // as in few_kernel
+  // The row's stats, in export_stats's units, from the thread at column 0.
+  const auto export_row = [&] {
+    float* stats = p.out_stats + (token * p.out_stats_token + head * p.out_stats_head);
+    if constexpr (kFormat == StatsFormat::kMaxSum) {
+      stats[0] = state.m * (p.log2_scale * p.export_scale);
+      stats[1] = total;
+    } else {
+      stats[0] = state.exported_log2_total(neg_inf(), p.log2_scale, log2_rel, p.export_scale);
+    }
+  };
   const bool exports = active && lane == 0 && p.out_stats != nullptr;
   if constexpr (kOut == DType::kFloat32 && kVec == 8) {
     // float32 from 16-bit partials, where a row's lanes pair up (an even
     // number of them, and of vectors, so both lanes of a pair hold a vector or
     // neither): store_float32_paired. The condition is the grid's, so every
     // lane of a warp takes part in the shuffles.
-    if (lanes % 2 == 0 && geo.row_vectors % 2 == 0) {
-      const int32_t out_row = active ? token * static_cast<int32_t>(p.out_row.token) +
-                                           head * static_cast<int32_t>(p.out_row.head)
-                                     : 0;
+    if (lanes % 2 == 0 && p.row_vectors % 2 == 0) {
+      const int32_t out_row = active ? token * p.out_token + head * p.out_head : 0;
 #pragma unroll
       for (int u = 0; u < kVectors; ++u) {
         float vector[kVec];
@@ -303,16 +338,12 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
         store_float32_paired(static_cast<float*>(p.out) + out_row + (lane + u * lanes) * kVec,
                              vector, lane & 1, active && holds[u]);
       }
-      if (exports) {
-        export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel,
-                              nullptr);
-      }
+      if (exports) export_row();
       return;
     }
   }
   if (!active) return;
-  const int32_t out_row =
-      token * static_cast<int32_t>(p.out_row.token) + head * static_cast<int32_t>(p.out_row.head);
+  const int32_t out_row = token * p.out_token + head * p.out_head;
   // FP8: value / scale, saturated by the conversion (scale_fp8 without groups).
   const float inverse_scale = is_fp8(kOut) ? 1.f / out_scale : 1.f;
 #pragma unroll
@@ -328,15 +359,13 @@ __device__ __forceinline__ void few_lean_merge(const MergeParams& p, const FewGe
     }
     store_out<kVec, kOut>(p.out, at, vector);
   }
-  if (exports) {
-    export_stats<kFormat>(p, state, RowIndex{0, token, head}, total, neg_inf(), log2_rel, nullptr);
-  }
+  if (exports) export_row();
 }
 
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
-    few_lean_kernel(const MergeParams p, const FewGeometry geo) {
-  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut>(p, geo);
+    few_lean_kernel(const FewLeanParams p) {
+  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut>(p);
 }
 
 // Row strides over (token, head) with token = batch * seqlen + token, or
@@ -403,6 +432,39 @@ inline bool few_lean_call(const MergeParams& p, int64_t threads, int depth, Merg
          (p.out_stats == nullptr || row_offsets_fit(lean.out_stats_row, tokens, heads, 2));
 }
 
+// The lean kernel's parameters of a call that few_lean_call admitted (`lean`,
+// `heads`) on `geo`'s lanes and row.
+inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
+                                     const FewGeometry& geo) {
+  const auto i32 = [](int64_t v) { return static_cast<int32_t>(v); };
+  FewLeanParams f{};
+  f.partial_o = lean.partial_o;
+  f.stats = lean.stats;
+  f.o_split = lean.o_stride_split;
+  f.s_split = lean.stats_stride_split;
+  f.lanes = geo.lanes;
+  f.heads = FastDivmod(heads);
+  f.rows = i32(lean.rows);
+  f.num_splits = i32(lean.num_splits);
+  f.o_token = i32(lean.o_row.token);
+  f.o_head = i32(lean.o_row.head);
+  f.s_token = i32(lean.stats_row.token);
+  f.s_head = i32(lean.stats_row.head);
+  f.log2_scale = lean.log2_scale;
+  f.empty_stat = lean.empty_stat;
+  f.out = lean.out;
+  f.out_token = i32(lean.out_row.token);
+  f.out_head = i32(lean.out_row.head);
+  f.row_vectors = geo.row_vectors;
+  f.export_scale = lean.export_scale;
+  f.out_stats = lean.out_stats;
+  f.out_stats_token = lean.out_stats != nullptr ? i32(lean.out_stats_row.token) : 0;
+  f.out_stats_head = lean.out_stats != nullptr ? i32(lean.out_stats_row.head) : 0;
+  f.out_scale = lean.out_scale;
+  f.stats_in_place = lean.stats_in_place;
+  return f;
+}
+
 // Launches a checked Few config (check_config, check_call) on rows > 0.
 template <DType kPartial, StatsFormat kFormat>
 Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
@@ -421,7 +483,7 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
   const bool requests = p.request_starts != nullptr || p.pair_stats;
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
                         p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
-                        plain, FastDivmod(heads)};
+                        plain};
   PdlLaunch launch(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(shape.cta_threads), 0,
                    stream, pdl);
   Status status;
@@ -448,13 +510,13 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                             static_cast<int>(DType::kFloat32) == 2 &&
                             static_cast<int>(DType::kFloat8E4M3FN) == 3,
                         "the lean kernels below are in DType order");
-          void (*const kernels[])(MergeParams, FewGeometry) = {
+          void (*const kernels[])(FewLeanParams) = {
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kBFloat16>,
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat16>,
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat32>,
               few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>};
           const auto kernel = kernels[static_cast<int>(p.out_dtype)];
-          error = cudaLaunchKernelEx(&launch.config, kernel, lean, geo);
+          error = cudaLaunchKernelEx(&launch.config, kernel, few_lean_params(lean, heads, geo));
         }
       } else {
         status = fail(Error::kVectors, kVectors);

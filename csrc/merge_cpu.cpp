@@ -123,10 +123,14 @@ void merge_group(MergeState<kVec>& state, const MergeParams& p, const KernelConf
   }
   Status status;  // config checked by merge_cpu: the depth is a legal one
   if (config.family == Family::kFew) {
+    // Rounds of few_depth states, each folded in batches of kFewMathBatch.
     KVSPLIT_DISPATCH_FEW_DEPTH(few_depth(p.num_splits, config.vectors), kDepth, status, {
+      constexpr int kBatch = kDepth < kFewMathBatch ? kDepth : kFewMathBatch;
       for (int j0 = 0; j0 < count; j0 += kDepth) {
-        merge_batch_at<kDepth, kPartial>(state, p, format, row, col, start + j0, 1, count - j0,
-                                         last);
+        for (int b = 0; b < kDepth; b += kBatch) {
+          merge_batch_at<kBatch, kPartial>(state, p, format, row, col, start + j0 + b, 1,
+                                           count - j0 - b, last);
+        }
       }
     })
     return;

@@ -27,6 +27,15 @@ KVSPLIT_HOST_DEVICE constexpr bool few_loads_fit(int depth, int vectors) {
   return vectors == 1 || depth * vectors <= kFewMaxLoads;
 }
 
+// The most states one merge_batch of a Few round folds: a round of more
+// loads them all first, then folds them in batches of this many, in order (a
+// batch's max, the state rescaled once, its states), so that ptxas need not
+// hold every loaded state until the round's last arrives. Folded at once, a
+// round of sixteen took 160 registers a thread (sm_90a), one CTA of 256 an SM,
+// and an 18 MB merge ran 1.55x the read probe (benchmarks/lab/lab_split.py);
+// in batches of eight it takes 106.
+constexpr int kFewMathBatch = 8;
+
 // States loaded per round by a thread of `vectors` vectors in a call of
 // `num_splits` states: the smallest power of two from kFewMinDepth that
 // takes them all in one round, or the largest up to kFewMaxDepth that fits

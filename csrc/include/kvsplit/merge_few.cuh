@@ -17,8 +17,9 @@
 //
 // Order of combination (merge_cpu.cpp mirrors it): per vector, rounds of
 // depth = few_depth(num_splits, vectors) states begin, begin + 1, ...; each
-// round one merge_batch (its max first, the running state rescaled once,
-// then the states in order), slots past the row's count weighing 0.
+// round's states in merge_batch's of up to kFewMathBatch (a batch's max
+// first, the running state rescaled once, then its states in order), slots
+// past the row's count weighing 0.
 //
 // The depth and `vectors` are template arguments (a thread's loads live in
 // registers): the pairs of config.h's FewDepths x FewVectors that
@@ -40,7 +41,8 @@ namespace kvsplit {
 
 // One round: up to kDepth states (`live` of them; the rest weigh 0 and load
 // nothing) of a thread's kVectors vectors, `vector_step` elements apart.
-// Every load of the round is issued before the first use.
+// Every load of the round is issued before the first use; the states are
+// folded in batches of kFewMathBatch.
 template <int kDepth, int kVectors, DType kPartial, StatsFormat kFormat, int kElems,
           bool kPairs = false>
 __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
@@ -74,9 +76,20 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
       if (on) m_in[j] += logf(__ldg(stat + 1));
     }
   }
-  state.merge_batch(
-      m_in, l_in, [&](int j, int e) { return unpack<kPartial>(packed[j][e / kVec], e % kVec); },
-      log2_scale);
+  constexpr int kBatch = kDepth < kFewMathBatch ? kDepth : kFewMathBatch;
+#pragma unroll
+  for (int b = 0; b < kDepth; b += kBatch) {
+    float m_batch[kBatch], l_batch[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      m_batch[j] = m_in[b + j];
+      l_batch[j] = l_in[b + j];
+    }
+    state.merge_batch(
+        m_batch, l_batch,
+        [&](int j, int e) { return unpack<kPartial>(packed[b + j][e / kVec], e % kVec); },
+        log2_scale);
+  }
 }
 
 // kRequests: the instance for TensorRT-LLM's calls (two LSE splits: depth 2),

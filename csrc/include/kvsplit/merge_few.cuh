@@ -244,7 +244,7 @@ __device__ __forceinline__ void store_float32_paired(float* dst, const float (&v
 // with 32-bit row strides (few_lean_call checks that every row offset fits),
 // in 144 bytes, the fields its first loads wait for in the first 88. Taking
 // MergeParams itself (920 bytes with the geometry, these fields spread over
-// it) cost a 5-10 MB merge 0.25-0.35 us with identical machine code
+// it) cost a 5-10 MB merge 0.30-0.36 us with identical machine code
 // (benchmarks/lab/lab_split.py, m-base against split1).
 struct FewLeanParams {
   const void* partial_o;

@@ -95,10 +95,9 @@ __device__ __forceinline__ void accumulate(const uint4& raw, float w, float (&ac
 }
 
 template <int kN, int kS, bool kSpreadStore>
-__global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, const float* s,
-                                                    __nv_bfloat16* out, uint32_t rows,
-                                                    int vectors_log2, int64_t o_split,
-                                                    int64_t s_split) {
+__device__ __forceinline__ void split_body(const __nv_bfloat16* o, const float* s,
+                                           __nv_bfloat16* out, uint32_t rows, int vectors_log2,
+                                           int64_t o_split, int64_t s_split) {
   constexpr int kPer = kN / kS;
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t sub = thread & (kS - 1);
@@ -149,6 +148,14 @@ __global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, cons
   }
 }
 
+template <int kN, int kS, bool kSpreadStore>
+__global__ void __launch_bounds__(256) split_kernel(const __nv_bfloat16* o, const float* s,
+                                                    __nv_bfloat16* out, uint32_t rows,
+                                                    int vectors_log2, int64_t o_split,
+                                                    int64_t s_split) {
+  split_body<kN, kS, kSpreadStore>(o, s, out, rows, vectors_log2, o_split, s_split);
+}
+
 // One thread a vector, its states merged in two halves, each weighed
 // against its own max as soon as its loads are in (every load is still issued
 // first), then the halves combined: whether arithmetic on the first half
@@ -197,39 +204,6 @@ __global__ void __launch_bounds__(256) phase_kernel(const __nv_bfloat16* o, cons
   *reinterpret_cast<uint4*>(out + at) = result;
 }
 
-// split_kernel<kN, 1, false>'s body, for the m-pad and m-far kernels.
-template <int kN>
-__device__ __forceinline__ void split_kernel_body(const __nv_bfloat16* o, const float* s,
-                                                  __nv_bfloat16* out, uint32_t rows,
-                                                  int vectors_log2, int64_t o_split,
-                                                  int64_t s_split) {
-  const uint32_t vector = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint32_t row = vector >> vectors_log2;
-  const bool active = row < rows;
-  const int64_t at = int64_t{vector} * 8;
-  uint4 raw[kN];
-  float m_in[kN];
-  load_states(o + at, s + row, o_split, s_split, active, raw, m_in);
-  float m = m_in[0];
-#pragma unroll
-  for (int i = 1; i < kN; ++i) m = fmaxf(m, m_in[i]);
-  const float anchor = m == neg_inf() ? 0.f : m;
-  float acc[8] = {}, l = 0.f;
-#pragma unroll
-  for (int i = 0; i < kN; ++i) {
-    const float w = fast_exp2(m_in[i] - anchor);
-    l += w;
-    accumulate(raw[i], w, acc);
-  }
-  if (!active) return;
-  const float inv = l > 0.f ? __fdividef(1.f, l) : 0.f;
-  uint4 result;
-  __nv_bfloat162* r = reinterpret_cast<__nv_bfloat162*>(&result);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) r[e] = __floats2bfloat162_rn(acc[2 * e] * inv, acc[2 * e + 1] * inv);
-  *reinterpret_cast<uint4*>(out + at) = result;
-}
-
 struct SplitArgs {
   const __nv_bfloat16* o;
   const float* s;
@@ -246,7 +220,7 @@ struct Pad {
 
 template <int kN>
 __device__ __forceinline__ void split1_body(const SplitArgs& a) {
-  split_kernel_body<kN>(a.o, a.s, a.out, a.rows, a.vectors_log2, a.o_split, a.s_split);
+  split_body<kN, 1, false>(a.o, a.s, a.out, a.rows, a.vectors_log2, a.o_split, a.s_split);
 }
 
 template <int kN>

@@ -221,27 +221,36 @@ __device__ __forceinline__ float row_sink_log2(const MergeParams& p, const RowIn
                                                : neg_inf();
 }
 
-// Exports a merged row's stats in the call's format, from `total` and
-// `log2_rel` of state.finalize; a pass-through row's raw stats
+// Writes a merged row's stats to `stats` in the call's format, from `total`
+// and `log2_rel` of state.finalize; a pass-through row's raw stats
 // (`pass_stats`) as they are.
 template <StatsFormat kFormat, int kVec>
-__device__ __forceinline__ void export_stats(const MergeParams& p, const MergeState<kVec>& state,
-                                             const RowIndex& at, float total, float sink_log2,
-                                             float log2_rel, const float* pass_stats) {
-  float* stats = p.out_stats + p.out_stats_row.at(at);
+__device__ __forceinline__ void write_stats(float* stats, const MergeState<kVec>& state,
+                                            float total, float sink_log2, float log2_rel,
+                                            float log2_scale, float export_scale,
+                                            const float* pass_stats) {
   if (pass_stats != nullptr) {
     if constexpr (kFormat == StatsFormat::kMaxSum) {
-      stats[0] = pass_stats[0] * (p.log2_scale * p.export_scale);  // the merge's unit
+      stats[0] = pass_stats[0] * (log2_scale * export_scale);  // the merge's unit
       stats[1] = pass_stats[1];
     } else {
       stats[0] = pass_stats[0];
     }
   } else if constexpr (kFormat == StatsFormat::kMaxSum) {
-    stats[0] = state.m * (p.log2_scale * p.export_scale);
+    stats[0] = state.m * (log2_scale * export_scale);
     stats[1] = total;
   } else {
-    stats[0] = state.exported_log2_total(sink_log2, p.log2_scale, log2_rel, p.export_scale);
+    stats[0] = state.exported_log2_total(sink_log2, log2_scale, log2_rel, export_scale);
   }
+}
+
+// write_stats at the row's place in the call's out_stats.
+template <StatsFormat kFormat, int kVec>
+__device__ __forceinline__ void export_stats(const MergeParams& p, const MergeState<kVec>& state,
+                                             const RowIndex& at, float total, float sink_log2,
+                                             float log2_rel, const float* pass_stats) {
+  write_stats<kFormat>(p.out_stats + p.out_stats_row.at(at), state, total, sink_log2, log2_rel,
+                       p.log2_scale, p.export_scale, pass_stats);
 }
 
 // The last step for one row, by the threads holding its merged state: adds

@@ -325,15 +325,11 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (p.stats_in_place) __syncwarp();  // as in few_kernel
-  // The row's stats, in export_stats's units, from the thread at column 0.
+  // The row's stats, from the thread at column 0.
   const auto export_row = [&] {
-    float* stats = p.out_stats + (token * p.out_stats_token + head * p.out_stats_head);
-    if constexpr (kFormat == StatsFormat::kMaxSum) {
-      stats[0] = state.m * (p.log2_scale * p.export_scale);
-      stats[1] = total;
-    } else {
-      stats[0] = state.exported_log2_total(neg_inf(), p.log2_scale, log2_rel, p.export_scale);
-    }
+    write_stats<kFormat>(p.out_stats + (token * p.out_stats_token + head * p.out_stats_head),
+                         state, total, neg_inf(), log2_rel, p.log2_scale, p.export_scale,
+                         nullptr);
   };
   const bool exports = active && lane == 0 && p.out_stats != nullptr;
   if constexpr (kOut == DType::kFloat32 && kVec == 8) {

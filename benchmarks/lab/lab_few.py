@@ -70,17 +70,11 @@ def main() -> int:
                 def run(i, lib=lib, v=v):
                     status = lib.lab_few(ctypes.byref(p), v, sm_count, labkit.stream())
                     assert status == 0, status
-                out.fill_(float("nan"))
-                run(0)
-                torch.cuda.synchronize()
-                error = (out.double() - reference).abs().max().item()
-                assert error < 2e-2, (name, v, error)
+                labkit.first_launch(lambda run=run: run(0), out, reference, (name, v))
                 runs[(name, v)] = run
         lib = next(iter(libs.values()))
         runs["read"] = lambda i: labkit.read_probe(lib, o, lse, out)
-        launch_us = (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0
-        times = {key: t.median_us for key, t in timing.time_cuda_graphs(
-            runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}
+        times = labkit.median_us(timing, runs, (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0)
         cells = []
         for name in names:
             best = min(vectors, key=lambda v: times[(name, v)])

@@ -49,20 +49,14 @@ def main() -> int:
             def run(i, k=k):
                 status = lib.lab_fixed(ctypes.byref(p), k, sm_count, labkit.stream())
                 assert status == 0, status
-            out.fill_(float("nan"))
-            run(0)
-            torch.cuda.synchronize()
-            error = (out.double() - reference).abs().max().item()
-            assert error < 2e-2, (name, error)
+            labkit.first_launch(lambda run=run: run(0), out, reference, (name,))
             runs[name] = run
         runs["noop"] = lambda i: lib.lab_noop(1, labkit.stream())
         runs["read"] = lambda i: labkit.read_probe(lib, o, lse, out)
         runs["triton"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0)
         runs["triton4w"] = lambda i: peers.triton_merge(o, lse, out, stats_format="lse", base=2.0,
                                                         num_warps=4)
-        launch_us = (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0
-        times = {key: t.median_us for key, t in timing.time_cuda_graphs(
-            runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}
+        times = labkit.median_us(timing, runs, (o.numel() * 2 + out.numel() * 2) / 4e6 + 2.0)
         lines.append(f"| {rows} | {head_dim} | " + " | ".join(f"{times[n]:.2f}" for n in names)
                      + f" | {times['product'] - times['bare']:+.2f} | {times['bare'] - times['hand16']:+.2f} |")
         print(lines[-1], flush=True)

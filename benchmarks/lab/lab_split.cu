@@ -233,6 +233,14 @@ __global__ void __launch_bounds__(256) pad_before_kernel(const Pad, const SplitA
   split1_body<kN>(a);
 }
 
+// log2 of a power of two, or -1 (the hand-written kernels find a row by a shift).
+int log2_exact(int n) {
+  if (n < 1 || (n & (n - 1))) return -1;
+  int log2 = 0;
+  while ((1 << log2) < n) ++log2;
+  return log2;
+}
+
 // split1 as a MergeParams kernel, with the product lean kernel's loads (kLdg),
 // math (kMath) and addressing (kAddr) each switched in on its own.
 template <int kN, bool kLdg, bool kMath, bool kAddr>
@@ -319,9 +327,8 @@ __global__ void __launch_bounds__(256) morph_kernel(const MergeParams p, const F
 template <int kN>
 int launch_morph(int variant, const MergeParams& p, int sm_count, cudaStream_t stream) {
   const int vectors = static_cast<int>(p.head_dim / 8);
-  if (vectors & (vectors - 1)) return -1;
-  int vectors_log2 = 0;
-  while ((1 << vectors_log2) < vectors) ++vectors_log2;
+  const int vectors_log2 = log2_exact(vectors);
+  if (vectors_log2 < 0) return -1;
   const FewLaunch shape = make_few_launch(vectors, p.rows, sm_count);
   if (variant >= 5) {
     const SplitArgs a{static_cast<const __nv_bfloat16*>(p.partial_o), p.stats,
@@ -360,9 +367,8 @@ template <int kN>
 int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
                  cudaStream_t stream) {
   const int vectors = static_cast<int>(p.head_dim / 8);
-  if (vectors & (vectors - 1)) return -1;
-  int vectors_log2 = 0;
-  while ((1 << vectors_log2) < vectors) ++vectors_log2;
+  const int vectors_log2 = log2_exact(vectors);
+  if (vectors_log2 < 0) return -1;
   const FewLaunch shape = make_few_launch(vectors * (s_lanes ? s_lanes : 1), p.rows, sm_count);
   const dim3 grid(static_cast<unsigned>(shape.ctas)), block(shape.cta_threads);
   const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
@@ -391,7 +397,8 @@ int launch_split(int s_lanes, bool spread, const MergeParams& p, int sm_count,
 using namespace kvsplit;
 
 // variant: 0 product v1, 1 product v2, 2 + k: split S = 1, 2, 4 (k = 0, 1, 2), 5 + k: half
-// S = 2, 4 (k = 0, 1), 7: phase, 8 + k: m-base, m-ldg, m-math, m-addr, m-all (k = 0 ... 4).
+// S = 2, 4 (k = 0, 1), 7: phase, 8 + k: m-base, m-ldg, m-math, m-addr, m-all, m-pad, m-far
+// (k = 0 ... 6).
 extern "C" int lab_split(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
   flatten_rows(p);

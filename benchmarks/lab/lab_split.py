@@ -49,18 +49,13 @@ def main() -> int:
             def run(i, k=k):
                 status = lib.lab_split(ctypes.byref(p), k, sm_count, labkit.stream())
                 assert status == 0, status
-            out.fill_(float("nan"))
-            if lib.lab_split(ctypes.byref(p), k, sm_count, labkit.stream()) != 0:
-                continue  # not for this shape (two vectors of a short row)
-            torch.cuda.synchronize()
-            error = (out.double() - reference).abs().max().item()
-            assert error < 2e-2, (name, rows, head_dim, num_splits, error)
-            runs[name] = run
+            if labkit.first_launch(lambda k=k: lib.lab_split(ctypes.byref(p), k, sm_count,
+                                                            labkit.stream()),
+                                   out, reference, (name, rows, head_dim, num_splits)):
+                runs[name] = run  # else not for this shape (two vectors of a short row)
         runs["read"] = lambda i: labkit.read_probe(lib, o, lse, out)
         megabytes = (o.numel() * 2 + lse.numel() * 4 + out.numel() * 2) / 1e6
-        launch_us = megabytes / 4 + 2.0
-        times = {key: t.median_us for key, t in timing.time_cuda_graphs(
-            runs, batch=max(4, min(64, round(2000 / launch_us))), replays=15).items()}
+        times = labkit.median_us(timing, runs, megabytes / 4 + 2.0)
         best = min((n for n in VARIANTS if n in times), key=times.get)
         cells = [f"{times[n]:.2f}" if n in times else "-" for n in names]
         lines.append(f"| {rows} | {head_dim} | {num_splits} | {megabytes:.1f} | " + " | ".join(cells)

@@ -122,6 +122,29 @@ def build(name: str, flags: str, sources: list[str]) -> pathlib.Path:
     return target
 
 
+def first_launch(launch, out, reference, what) -> bool:
+    """Launches a variant once into ``out`` (filled with NaN first) and checks it against the
+    float64 ``reference`` (max abs error 2e-2); False, unchecked, where the launch returns a
+    nonzero status (the variant does not serve this shape)."""
+    import torch
+
+    out.fill_(float("nan"))
+    if launch():
+        return False
+    torch.cuda.synchronize()
+    error = (out.double() - reference).abs().max().item()
+    assert error < 2e-2, (*what, error)
+    return True
+
+
+def median_us(timing, runs: dict, launch_us: float) -> dict:
+    """Each run's median us per launch in graph replay (in turns, 15 replays), batched so that a
+    replay lasts about 2 ms for a launch of about ``launch_us``."""
+    batch = max(4, min(64, round(2000 / launch_us)))
+    return {key: t.median_us for key, t in timing.time_cuda_graphs(runs, batch=batch,
+                                                                    replays=15).items()}
+
+
 def report(folder: pathlib.Path, name: str, text: str) -> None:
     """Prints a lab's table and writes it to ``folder/name``."""
     print(text)

@@ -223,7 +223,10 @@ PYBIND11_MODULE(_ext, m) {
   m.def("dsplit_lanes", &kvsplit::dsplit_lanes,
         "Threads per DSplit group, or 0 when head_dim / slices is not a legal slice",
         py::arg("head_dim"), py::arg("elem_bytes"), py::arg("slices"));
-  m.def("few_threads_per_row", &kvsplit::few_threads_per_row,
+  m.def("few_threads_per_row",
+        [](int head_dim, int elem_bytes, int vectors) {
+          return kvsplit::few_threads_per_row(head_dim, elem_bytes, vectors);
+        },
         "Threads per row of a Few config of `vectors` vectors a thread, or 0 when not legal",
         py::arg("head_dim"), py::arg("elem_bytes"), py::arg("vectors"));
   m.def("few_depth", &kvsplit::few_depth,

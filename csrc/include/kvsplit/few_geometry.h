@@ -67,12 +67,15 @@ constexpr int64_t kFewMaxGridThreads = int64_t{1} << 30;
 
 // Threads per row, L = ceil(V / vectors), or 0 when `vectors` leaves a step
 // of every row's threads empty ((vectors - 1) * L >= V: more vectors per
-// thread than the row fills), or the row is not whole 16-byte vectors.
-KVSPLIT_HOST_DEVICE constexpr int few_threads_per_row(int head_dim, int elem_bytes, int vectors) {
+// thread than the row fills), or the row is not whole 16-byte vectors. The
+// lean kernel's threads take vectors of 8 bytes of 16-bit partials in some
+// calls (`vector_bytes`: merge_few.cuh's few_lean_vector_bytes).
+KVSPLIT_HOST_DEVICE constexpr int few_threads_per_row(int head_dim, int elem_bytes, int vectors,
+                                                      int vector_bytes = kFewVectorBytes) {
   if (vectors < 1 || elem_bytes < 1 || head_dim < 1 || (head_dim * elem_bytes) % kFewVectorBytes) {
     return 0;
   }
-  const int row_vectors = head_dim * elem_bytes / kFewVectorBytes;
+  const int row_vectors = head_dim * elem_bytes / vector_bytes;
   const int lanes = (row_vectors + vectors - 1) / vectors;
   return (vectors - 1) * lanes < row_vectors ? lanes : 0;
 }

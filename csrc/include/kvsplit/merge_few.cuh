@@ -44,16 +44,16 @@ namespace kvsplit {
 // Every load of the round is issued before the first use; the states are
 // folded in batches of kFewMathBatch.
 template <int kDepth, int kVectors, DType kPartial, StatsFormat kFormat, int kElems,
-          bool kPairs = false>
+          bool kPairs = false, int kLoadBytes = kBytesPerThread>
 __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
                                                 const typename CudaType<kPartial>::type* o,
                                                 const float* s, int live, int64_t o_step,
                                                 int64_t s_step, int vector_step,
                                                 const bool (&holds)[kVectors], float log2_scale,
                                                 float empty_stat) {
-  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kVec = kLoadBytes / elem_bytes<kPartial>();
   static_assert(kElems == kVec * kVectors, "a thread's state spans its vectors");
-  Packed<kBytesPerThread> packed[kDepth][kVectors];
+  Packed<kLoadBytes> packed[kDepth][kVectors];
   float m_in[kDepth], l_in[kDepth];
   // State addresses by increments: written as o + j * o_step, ptxas reloaded
   // the base and stride from constant memory for each predicated load, which
@@ -65,8 +65,8 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
     const bool on = j < live;
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
-      packed[j][u] = on && holds[u] ? load_packed<kBytesPerThread>(state_o + u * vector_step)
-                                    : Packed<kBytesPerThread>{};
+      packed[j][u] = on && holds[u] ? load_packed<kLoadBytes>(state_o + u * vector_step)
+                                    : Packed<kLoadBytes>{};
     }
     const float m_raw = on ? __ldg(stat) : neg_inf();
     l_in[j] = kFormat == StatsFormat::kMaxSum ? (on ? __ldg(stat + 1) : 0.f) : 1.f;
@@ -216,28 +216,19 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   }
 }
 
-// A lane's float32 vector of a 16-bit partials' row (8 floats, 32 bytes),
-// stored with its pair's (lanes 2k and 2k + 1, neighbours in the row): 32
-// bytes a lane in two 16-byte stores would leave each 32-byte sector of a
-// warp's store half written by one store and completed by the next. The pair
-// trades halves by shuffle instead, so that each store writes whole sectors:
-// first the even lane's vector (its first half by it, its second by the odd
-// lane), then the odd lane's. Every lane of the warp calls it; `stores` says
-// whether this one writes; `dst` is its own vector's place.
-__device__ __forceinline__ void store_float32_paired(float* dst, const float (&v)[8], bool odd,
-                                                     bool stores) {
-  float keep[4], got[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    keep[i] = odd ? v[4 + i] : v[i];
-    got[i] = __shfl_xor_sync(0xffffffffu, odd ? v[i] : v[4 + i], 1);
-  }
-  if (!stores) return;
-  const float4 mine = make_float4(keep[0], keep[1], keep[2], keep[3]);
-  const float4 theirs = make_float4(got[0], got[1], got[2], got[3]);
-  float* first = odd ? dst - 4 : dst;
-  reinterpret_cast<float4*>(first)[0] = odd ? theirs : mine;
-  reinterpret_cast<float4*>(first)[2] = odd ? mine : theirs;
+// The bytes of a state's row a lean thread loads: 16, but 8 for 16-bit
+// partials where the thread writes float32 or holds sixteen states a round.
+// Float32: each thread then stores its 16 bytes in one access, a warp's store
+// 512 contiguous bytes; with 16-byte loads a thread had 32 bytes to store, and
+// trading halves with its lane pair so that every store wrote whole sectors
+// still spread each store over twice the cache lines (4096 x 2 x 512: 4.91
+// against 4.14 us, benchmarks/lab/lab_store.py). Sixteen states: a round holds
+// half the registers, and more threads an SM issue their loads (float32 from
+// sixteen states ran 0.1-0.4 us under bf16 at 512 rows once it took 8 bytes).
+constexpr int few_lean_vector_bytes(DType partial, DType out, int depth) {
+  return elem_bytes(partial) == 2 && (out == DType::kFloat32 || depth >= kFewMaxDepth)
+             ? 8
+             : kBytesPerThread;
 }
 
 // The lean kernel's parameters: what it reads of MergeParams and FewGeometry,
@@ -261,7 +252,7 @@ struct FewLeanParams {
   float empty_stat;
   void* out;
   int32_t out_token, out_head;
-  int32_t row_vectors;  // 16-byte vectors of a row
+  int32_t row_vectors;  // vectors of a row (few_lean_vector_bytes each)
   float export_scale;
   float* out_stats;
   int32_t out_stats_token, out_stats_head;
@@ -288,7 +279,8 @@ static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay c
 // launch 0.1-0.2 us (benchmarks/lab/lab_outputs.py).
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
 __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
-  constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
+  constexpr int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth);
+  constexpr int kVec = kLoadBytes / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
   using Partial = typename CudaType<kPartial>::type;
 
@@ -315,7 +307,7 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   // rounds would hold 8-57 more registers a thread through the first (ptxas,
   // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
   // four states and two vectors), fewer CTAs an SM at large row counts.
-  merge_few_round<kDepth, kVectors, kPartial, kFormat>(
+  merge_few_round<kDepth, kVectors, kPartial, kFormat, kElems, false, kLoadBytes>(
       state, o, s, active ? p.num_splits : 0, p.o_split, p.s_split, lanes * kVec, holds,
       p.log2_scale, p.empty_stat);
   pdl_trigger();
@@ -332,25 +324,6 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
                          nullptr);
   };
   const bool exports = active && lane == 0 && p.out_stats != nullptr;
-  if constexpr (kOut == DType::kFloat32 && kVec == 8) {
-    // float32 from 16-bit partials, where a row's lanes pair up (an even
-    // number of them, and of vectors, so both lanes of a pair hold a vector or
-    // neither): store_float32_paired. The condition is the grid's, so every
-    // lane of a warp takes part in the shuffles.
-    if (lanes % 2 == 0 && p.row_vectors % 2 == 0) {
-      const int32_t out_row = active ? token * p.out_token + head * p.out_head : 0;
-#pragma unroll
-      for (int u = 0; u < kVectors; ++u) {
-        float vector[kVec];
-#pragma unroll
-        for (int v = 0; v < kVec; ++v) vector[v] = out[u * kVec + v];
-        store_float32_paired(static_cast<float*>(p.out) + out_row + (lane + u * lanes) * kVec,
-                             vector, lane & 1, active && holds[u]);
-      }
-      if (exports) export_row();
-      return;
-    }
-  }
   if (!active) return;
   const int32_t out_row = token * p.out_token + head * p.out_head;
   // FP8: value / scale, saturated by the conversion (scale_fp8 without groups).
@@ -478,20 +451,35 @@ inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
 template <DType kPartial, StatsFormat kFormat>
 Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
                         cudaStream_t stream) {
-  const int lanes = few_threads_per_row(p.head_dim, elem_bytes(kPartial), config.vectors);
-  if (lanes < 1) return fail(Error::kVectors, config.vectors);
-  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
+  const int general_lanes = few_threads_per_row(p.head_dim, elem_bytes(kPartial), config.vectors);
+  if (general_lanes < 1) return fail(Error::kVectors, config.vectors);
   const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr &&
                      p.indptr == nullptr && p.pass_through_tokens == INT64_MAX &&
                      p.request_starts == nullptr;
   MergeParams lean;
   uint32_t heads = 1;
   const int depth = few_depth(p.num_splits, config.vectors);
-  const bool is_lean = few_lean_call(p, p.rows * lanes, depth, lean, heads);
+  bool is_lean = few_lean_call(p, p.rows * general_lanes, depth, lean, heads);
+  // The lean kernel's lanes load few_lean_vector_bytes of a state's row. Where
+  // that is under 16, a row has more of them: an in-place export needs a row's
+  // lanes in one warp as checked for 16 (check_call_rules), and one pass of the
+  // grid must still cover the call; else the general kernel serves it.
+  int vector_bytes = kBytesPerThread;
+  int lanes = general_lanes;
+  if (is_lean && few_lean_vector_bytes(kPartial, p.out_dtype, depth) < kBytesPerThread) {
+    const int narrow = few_lean_vector_bytes(kPartial, p.out_dtype, depth);
+    const int narrow_lanes = few_threads_per_row(p.head_dim, elem_bytes(kPartial), config.vectors, narrow);
+    is_lean = !p.stats_in_place && p.rows * narrow_lanes <= kFewMaxGridThreads;
+    if (is_lean) {
+      vector_bytes = narrow;
+      lanes = narrow_lanes;
+    }
+  }
+  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
   // TensorRT-LLM's calls (check_problem, check_call: two LSE splits, depth 2).
   const bool requests = p.request_starts != nullptr || p.pair_stats;
   const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
-                        p.head_dim * elem_bytes(kPartial) / kBytesPerThread, shape.rows_per_pass,
+                        p.head_dim * elem_bytes(kPartial) / vector_bytes, shape.rows_per_pass,
                         plain};
   PdlLaunch launch(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(shape.cta_threads), 0,
                    stream, pdl);

@@ -58,11 +58,17 @@ __global__ void __launch_bounds__(kThreads)
       got[i] = __shfl_xor_sync(0xffffffffu, odd ? v[i] : v[4 + i], 1);
     }
     if (!active) return;
-    float* first = static_cast<float*>(out) + at - (odd ? 4 : 0);
-    const float4 mine = make_float4(keep[0], keep[1], keep[2], keep[3]);
-    const float4 theirs = make_float4(got[0], got[1], got[2], got[3]);
-    reinterpret_cast<float4*>(first)[0] = odd ? theirs : mine;
-    reinterpret_cast<float4*>(first)[2] = odd ? mine : theirs;
+    // Selected per element: a select of whole float4 values made ptxas split
+    // one store into four 4-byte ones.
+    float lo[4], hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo[i] = odd ? got[i] : keep[i];
+      hi[i] = odd ? keep[i] : got[i];
+    }
+    float4* first = reinterpret_cast<float4*>(static_cast<float*>(out) + at - (odd ? 4 : 0));
+    first[0] = make_float4(lo[0], lo[1], lo[2], lo[3]);
+    first[2] = make_float4(hi[0], hi[1], hi[2], hi[3]);
     return;
   }
   if (!active) return;

@@ -72,25 +72,9 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   if (!active) return;
-  if constexpr (kStore == 0 || kStore == 4) {
-    Packed<kLoadBytes> packed;
-#pragma unroll
-    for (int i = 0; i < kVec / 2; ++i) {
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-      packed.w[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    }
-    if constexpr (kLoadBytes == 16) {
-      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(out) + at) =
-          make_uint4(packed.w[0], packed.w[1], packed.w[2], packed.w[3]);
-    } else {
-      *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(out) + at) =
-          make_uint2(packed.w[0], packed.w[1]);
-    }
-  } else {
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(out) + at);
-#pragma unroll
-    for (int i = 0; i < kVec / 4; ++i) dst[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-  }
+  // bf16 (0, 4) or float32 (1, 3) in accesses of up to 16 bytes, as the product stores.
+  constexpr auto kOut = kStore == 0 || kStore == 4 ? kvsplit::DType::kBFloat16 : kvsplit::DType::kFloat32;
+  kvsplit::store_out<kVec, kOut>(out, at, v);
 }
 
 template <int kLoadBytes, int kStore>

@@ -343,41 +343,6 @@ class RepairResult(_Model):
         return sum(self.quarantined.values())
 
 
-class DeviceStats(_Model):
-    """Per-device summary; speed-ups are over kv_split=1, among keys that measured it."""
-
-    device: DeviceInfo
-    keys: int
-    mean_speedup: float | None
-    max_speedup: float | None
-    oldest: datetime | None
-    newest: datetime | None
-
-
-class BuildStats(_Model):
-    """Per-build summary; ``stale`` as :meth:`Store.stats` says; ``installed``: a build of this
-    kvsplit (CUDA or CPU), as the command sets it."""
-
-    build_hash: str
-    library_version: str
-    keys: int
-    newest: datetime | None
-    stale: bool
-    installed: bool = False
-
-
-class StoreStats(_Model):
-    """Summary of a whole database."""
-
-    url: str
-    keys: int
-    devices: list[DeviceStats]
-    builds: list[BuildStats]
-    current_build: str | None
-    oldest: datetime | None
-    newest: datetime | None
-
-
 class ClaimInfo(_Model):
     """One key of a fleet's grid as the claims table holds it (server clock times; a ``claimed``
     claim past ``expires_at`` may be taken over)."""

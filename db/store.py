@@ -9,7 +9,6 @@ import math
 import os
 import threading
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -26,13 +25,15 @@ from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
                    write_record)
-from .schemas import (CHOICE_FIELDS, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo,
-                      DeviceStats, ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult,
-                      StoreError, StoreStats, TuningKey, TuningRecord, tool_version)
+from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ExportFile, ImportRule,
+                      ImportSummary, KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey,
+                      TuningRecord, tool_version)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
 OnDamage = Literal["raise", "warn"]
+#: Every record, every build, and the hashes of the stale builds: :meth:`Store.inventory`.
+Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
 # A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT
 # and INSERT; the retry then finds its row and updates it.
 _WRITE_ATTEMPTS = 5
@@ -256,33 +257,14 @@ class Store:
                  r.stats_format, r.num_splits, r.rows)
         return self._records(conditions, order_by=order)
 
-    def stats(self, current_build: str | Collection[str] | None = None) -> StoreStats:
-        """Keys per device, mean speed-up of the winner over kv_split=1, times, and stale builds (as
-        :func:`~kvsplit.db.rows.stale_build_ids` says)."""
+    def inventory(self, current_build: str | Collection[str] | None = None) -> Inventory:
+        """From one read, for a report of the whole database: every record, every build, and the hashes
+        of the stale builds (as :func:`~kvsplit.db.rows.stale_build_ids` says)."""
 
-        def work(session: Session) -> tuple[StoreStats, list[Damage]]:
+        def work(session: Session) -> tuple[Inventory, list[Damage]]:
             found = read(session)
             stale = {found.builds[i].build_hash for i in stale_build_ids(session, current_build) if i in found.builds}
-            records = list(found.records.values())
-            per_device: dict[DeviceInfo, list[TuningRecord]] = defaultdict(list)
-            per_build: dict[str, list[TuningRecord]] = defaultdict(list)
-            for record in records:
-                per_device[record.key.device].append(record)
-                per_build[record.key.build_hash].append(record)
-            devices = []
-            for device, recs in sorted(per_device.items(), key=lambda item: item[0].label):
-                speedups = [s for s in (r.speedup for r in recs) if s is not None]
-                devices.append(DeviceStats(device=device, keys=len(recs), max_speedup=max(speedups, default=None),
-                                           mean_speedup=sum(speedups) / len(speedups) if speedups else None,
-                                           **_span(recs)))
-            versions = sorted({b.build_hash: b.library_version for b in found.builds.values()}.items())
-            named = (current_build if current_build is None or isinstance(current_build, str)
-                     else ",".join(sorted(current_build)))
-            return StoreStats(
-                url=self.url, keys=len(records), devices=devices, current_build=named,
-                builds=[BuildStats(build_hash=h, library_version=v, keys=len(per_build[h]),
-                                   newest=_span(per_build[h])["newest"], stale=h in stale) for h, v in versions],
-                **_span(records)), found.damage
+            return (list(found.records.values()), list(found.builds.values()), stale), found.damage
 
         return self._read(work)
 
@@ -344,7 +326,7 @@ class Store:
     def prune(self, *, stale_builds: bool = False, current_build: str | Collection[str] | None = None,
               other_devices_than: DeviceInfo | str | None = None, older_than: timedelta | None = None,
               dry_run: bool = False) -> PruneResult:
-        """Delete the results of stale builds (see :meth:`stats`), of every device but
+        """Delete the results of stale builds (see :meth:`inventory`), of every device but
         ``other_devices_than`` (a string matches part of a name and must match one, else
         ``ValueError``) or last updated longer ago than ``older_than``; devices and builds left
         empty go too."""
@@ -409,11 +391,6 @@ class Store:
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
-
-
-def _span(records: list[TuningRecord]) -> dict[str, datetime | None]:
-    times = [r.updated_at for r in records if r.updated_at is not None]
-    return {"oldest": min(times, default=None), "newest": max(times, default=None)}
 
 
 def _json_safe(value: Any) -> Any:

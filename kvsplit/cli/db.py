@@ -29,6 +29,7 @@ from .render import (
     show_stats,
     to_json,
 )
+from .reports import store_stats
 from ..db.schemas import ImportRule
 from ..db.store import Store, open_store, open_store_for_repair
 from ..export import InvalidExportError, dump_export, parse_export, read_export_file
@@ -185,9 +186,7 @@ def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
     one; the builds table and --json also mark the installed ones.
     """
     installed = _installed_builds()
-    result = _open(ctx).stats(current_build or installed)
-    result = result.model_copy(update={"builds": [
-        b.model_copy(update={"installed": b.build_hash in installed}) for b in result.builds]})
+    result = store_stats(_open(ctx), current_build or installed, installed)
     if as_json:
         click.echo(to_json(result))
     else:

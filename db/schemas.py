@@ -365,29 +365,3 @@ class ClaimInfo(_Model):
         if self.state == "claimed" and self.expires_at is None:
             raise ValueError("a claimed claim needs expires_at")
         return self
-
-
-class WorkerProgress(_Model):
-    """A worker (host/pid/device) that holds live claims."""
-
-    owner: str
-    claimed: int
-    since: datetime | None
-    heartbeat_at: datetime | None
-
-
-class Progress(_Model):
-    """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``, with
-    ``expired`` claims among those ``left`` (see :func:`kvsplit.db.claims.standing`)."""
-
-    url: str
-    now: datetime
-    keys: int
-    done: int
-    claimed: int
-    failed: int
-    left: int
-    expired: int
-    attempts: int
-    workers: list[WorkerProgress]
-    failures: list[ClaimInfo]

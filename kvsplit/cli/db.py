@@ -29,7 +29,7 @@ from .render import (
     show_stats,
     to_json,
 )
-from .reports import store_stats
+from .reports import fleet_progress, store_stats
 from ..db.schemas import ImportRule
 from ..db.store import Store, open_store, open_store_for_repair
 from ..export import InvalidExportError, dump_export, parse_export, read_export_file
@@ -340,7 +340,7 @@ def progress(ctx: click.Context, as_json: bool) -> None:
     heartbeat, and why keys failed. For one grid, give `kvsplit tune` its grid
     options and --status instead.
     """
-    result = Claims(_open(ctx)).progress()
+    result = fleet_progress(Claims(_open(ctx)))
     if as_json:
         click.echo(to_json(result))
     else:

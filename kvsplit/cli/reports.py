@@ -1,20 +1,22 @@
-"""The report of ``kvsplit db stats``, built from one read of the store.
+"""The reports of ``kvsplit db stats``, ``kvsplit db progress`` and ``kvsplit tune --status``, each
+built from one read of the store.
 
 The models are what ``--json`` prints, field by field.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Collection
+from collections import Counter, defaultdict
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from ..db.schemas import DeviceInfo, TuningRecord
+from ..db.schemas import ClaimInfo, DeviceInfo, TuningKey, TuningRecord
 
 if TYPE_CHECKING:
+    from ..db.claims import Claims
     from ..db.store import Store
 
 
@@ -83,3 +85,47 @@ def store_stats(store: Store, current_build: str | Collection[str] | None = None
                 for h, v in versions],
         **_span(records))
 
+
+class WorkerProgress(BaseModel):
+    """A worker (host/pid/device) that holds live claims."""
+
+    owner: str
+    claimed: int
+    since: datetime | None
+    heartbeat_at: datetime | None
+
+
+class Progress(BaseModel):
+    """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``, with
+    ``expired`` claims among those ``left`` (see :func:`kvsplit.db.claims.standing`)."""
+
+    url: str
+    now: datetime
+    keys: int
+    done: int
+    claimed: int
+    failed: int
+    left: int
+    expired: int
+    attempts: int
+    workers: list[WorkerProgress]
+    failures: list[ClaimInfo]
+
+
+def fleet_progress(claims: Claims, keys: Sequence[TuningKey] | None = None) -> Progress:
+    """How far ``keys`` are; without ``keys``, every key ever registered (rows that do not parse left out)."""
+    now, surveyed = claims.survey(keys)
+    counts = Counter(at for _, _, at in surveyed)
+    held: dict[str, list[ClaimInfo]] = defaultdict(list)
+    for _, claim, at in surveyed:
+        if at == "claimed":
+            held[claim.owner or "?"].append(claim)
+    return Progress(
+        url=claims.url, now=now, keys=len(surveyed), done=counts["done"], claimed=counts["claimed"],
+        failed=counts["failed"], left=counts["left"] + counts["expired"], expired=counts["expired"],
+        attempts=sum(claim.attempts for _, claim, _ in surveyed if claim is not None),
+        workers=[WorkerProgress(owner=owner, claimed=len(mine),
+                                since=min((c.claimed_at for c in mine if c.claimed_at), default=None),
+                                heartbeat_at=max((c.heartbeat_at for c in mine if c.heartbeat_at), default=None))
+                 for owner, mine in sorted(held.items())],
+        failures=[claim for _, claim, at in surveyed if at == "failed"])

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from dbtestlib import H200, make_record
 
-from kvsplit.cli.reports import store_stats
+from kvsplit.cli.reports import fleet_progress, store_stats
 from kvsplit.db import Claims, StoreError, open_store, open_store_for_library
 from kvsplit.db.claims import standing
 
@@ -80,7 +80,7 @@ def test_an_expired_lease_is_taken_over_and_the_old_owner_can_no_longer_renew(cl
     assert not claims.renew(old, 0.5)
     claims.finish(old, error="late failure")  # not ours any more: changes nothing
     claims.finish(step.claim, record=_record(keys[0]))
-    progress = claims.progress(keys)
+    progress = fleet_progress(claims, keys)
     assert (progress.done, progress.failed, progress.attempts) == (1, 0, 2)
 
 
@@ -104,13 +104,13 @@ def test_progress_counts_owners_failures_and_expired_leases(claims, store):
     failed = _next(claims, keys, "gpu-host/7/cuda:0").claim
     claims.finish(failed, error="RuntimeError: boom")
     time.sleep(0.4)
-    progress = claims.progress(keys)
+    progress = fleet_progress(claims, keys)
     assert (progress.keys, progress.done, progress.claimed, progress.failed, progress.left,
             progress.expired) == (5, 1, 1, 1, 2, 1)
     assert [(w.owner, w.claimed) for w in progress.workers] == [("gpu-host/7/cuda:0", 1)]
     assert progress.workers[0].since == held.claimed_at
     assert [(f.key, f.error) for f in progress.failures] == [(failed.key, "RuntimeError: boom")]
-    everything = claims.progress()  # every registered key: the same grid here
+    everything = fleet_progress(claims)  # every registered key: the same grid here
     assert everything.model_dump(exclude={"now"}) == progress.model_dump(exclude={"now"})
     assert expired.key not in {f.key for f in progress.failures}
 
@@ -168,7 +168,7 @@ def test_a_key_finished_while_another_worker_looks_is_not_claimed_again(db_url, 
         monkeypatch.undo()
         assert calls[0] == set()  # B's first read did not see A's result
         assert step.claim is None
-        progress = claims_a.progress(keys)
+        progress = fleet_progress(claims_a, keys)
         assert (progress.done, progress.attempts) == (1, 1)
 
 
@@ -180,7 +180,7 @@ def test_a_claim_row_that_does_not_parse_is_claimable_and_repaired_away(store, c
         conn.exec_driver_sql("UPDATE tuning_claims SET state = 'gone'")
     engine.dispose()
     assert [d.table for d in store.damage()] == ["tuning_claims"]
-    assert claims.progress(keys).left == 1
+    assert fleet_progress(claims, keys).left == 1
     step = _next(claims, keys)
     assert step.claim is not None and step.claim.attempt == 1
     assert store.damage() == []  # the claim overwrote it
@@ -201,7 +201,7 @@ def test_the_result_and_the_end_of_its_claim_are_one_transaction(claims, store, 
         claims.finish(claim, record=_record(keys[0]))
     monkeypatch.setattr(claims_module, "update", real)
     assert store.get(keys[0]) is None  # rolled back with the claim: no result without its claim's end
-    assert claims.progress(keys).claimed == 1
+    assert fleet_progress(claims, keys).claimed == 1
 
 
 def test_standing_of_a_key():

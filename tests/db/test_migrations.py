@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from dbtestlib import make_record
+from kvsplit.cli.reports import fleet_progress
 from kvsplit.config import KernelConfig
 from kvsplit.db import (
     DbWarning,
@@ -221,7 +222,7 @@ def test_a_database_from_before_fleet_tuning_is_upgraded_and_takes_claims(db_url
     assert step.standings["done"] == 1
     claims.finish(step.claim, record=new)
     assert store.generation() == 1
-    progress = claims.progress([stored, new.key])
+    progress = fleet_progress(claims, [stored, new.key])
     assert (progress.keys, progress.done, progress.left, progress.attempts) == (2, 2, 0, 1)
     store.close()
     engine = create_db_engine(db_url)

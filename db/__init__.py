@@ -8,7 +8,7 @@ store's first use (:data:`_STORE_SIDE`), not with the package.
 import importlib
 
 from .schemas import (BASELINE, CandidateResult, ChoiceKey, ClaimInfo, Config, DamagedRows, DbWarning, DeviceInfo,
-                      ExportFile, ImportSummary, KernelBuildInfo, NoDatabase, PruneResult, RepairResult, SchemaDamaged,
+                      ImportSummary, KernelBuildInfo, NoDatabase, PruneResult, RepairResult, SchemaDamaged,
                       SchemaTooNew, StoreError, TuningKey, TuningPolicy, TuningRecord)
 
 _STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage": "rows", "head_revision": "migrate",
@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "CandidateResult", "ChoiceKey", "Claim", "ClaimInfo", "Claims",
-           "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "ExportFile", "ImportSummary",
-           "KernelBuildInfo", "NoDatabase", "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew", "Step",
-           "Store", "StoreError", "TuningKey", "TuningPolicy", "TuningRecord", "head_revision", "open_store",
-           "open_store_for_library", "open_store_for_repair"]
+           "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "ImportSummary", "KernelBuildInfo",
+           "NoDatabase", "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError",
+           "TuningKey", "TuningPolicy", "TuningRecord", "head_revision", "open_store", "open_store_for_library",
+           "open_store_for_repair"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from importlib import metadata
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -287,24 +286,6 @@ class TuningRecord(_Model):
             return None
         value = base.median_us / best.median_us
         return value if math.isfinite(value) else None
-
-
-def tool_version() -> str:
-    """The installed kvsplit version, or ``"unknown"`` when running from a source tree."""
-    try:
-        return metadata.version("kvsplit")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-class ExportFile(_Model):
-    """The JSON exchange format, ``{"format": "kvsplit-tuning", "version": 1, "records": [...]}``."""
-
-    format: Literal["kvsplit-tuning"] = "kvsplit-tuning"
-    version: Literal[1] = 1
-    exported_at: Time = None
-    tool_version: str | None = None
-    records: list[TuningRecord]
 
 
 class ImportSummary(_Model):

@@ -25,9 +25,8 @@ from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
                    write_record)
-from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ExportFile, ImportRule,
-                      ImportSummary, KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey,
-                      TuningRecord, tool_version)
+from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ImportRule, ImportSummary,
+                      KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey, TuningRecord)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
@@ -359,18 +358,13 @@ class Store:
 
         return self._read(work, write=not dry_run, bump=not dry_run)
 
-    def export_records(self, **filters: object) -> ExportFile:
-        """An :class:`ExportFile` of the records matching ``filters`` (as :meth:`query`), stamped now."""
-        return ExportFile(exported_at=_now(), tool_version=tool_version(), records=self.query(**filters))
-
-    def import_records(self, source: ExportFile | Iterable[TuningRecord], *, rule: ImportRule = "newer",
+    def import_records(self, records: Iterable[TuningRecord], *, rule: ImportRule = "newer",
                        dry_run: bool = False) -> ImportSummary:
         """Merge records into the store, all or nothing, keeping their times: a stored key is replaced
         if ``rule`` is ``"replace"``, or ``"newer"`` and the incoming ``updated_at`` is strictly later.
         A record that fails validation (``config_type`` too) or two of one key: ``ValueError``."""
         # A record changed with model_copy(update=...) was never validated: all are, again.
-        records = [TuningRecord.model_validate(r.model_dump(), context=self._context)
-                   for r in (source.records if isinstance(source, ExportFile) else source)]
+        records = [TuningRecord.model_validate(r.model_dump(), context=self._context) for r in records]
         if len({r.key for r in records}) != len(records):
             raise ValueError("two records of one tuning key")
 

@@ -32,7 +32,7 @@ from .render import (
 from .reports import fleet_progress, store_stats
 from ..db.schemas import ImportRule
 from ..db.store import Store, open_store, open_store_for_repair
-from ..export import InvalidExportError, dump_export, parse_export, read_export_file
+from ..export import InvalidExportError, dump_export, make_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 
@@ -201,7 +201,7 @@ def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
 @click.pass_context
 def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
     """Export tuning results as JSON (format kvsplit-tuning, version 1)."""
-    export = _open(ctx).export_records(**_bucketed(filters))
+    export = make_export(_open(ctx).query(**_bucketed(filters)))
     text = dump_export(export)
     if out_path is None:
         click.echo(text, nl=False)
@@ -263,7 +263,7 @@ def import_(
     ]
     if unsupported:
         raise InvalidExportError(unsupported)
-    summary = _open(ctx, create=True, stores=True).import_records(export, rule=rule, dry_run=dry_run)
+    summary = _open(ctx, create=True, stores=True).import_records(export.records, rule=rule, dry_run=dry_run)
     if as_json:
         click.echo(to_json(summary))
     else:

@@ -227,7 +227,7 @@ def test_standing_of_a_key():
 
 
 def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp_path):
-    from kvsplit.export import dump_export, make_export, parse_export
+    from kvsplit.export import dump_export, make_export, read_export
 
     assert store.generation() is None
     store.upsert(make_record(rows=1))
@@ -240,9 +240,9 @@ def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp
     assert store.generation() == 2
     export = tmp_path / "e.json"
     export.write_text(dump_export(make_export([make_record(rows=4)])))
-    store.import_records(parse_export(export), dry_run=True)
+    store.import_records(read_export(export), dry_run=True)
     assert store.generation() == 2
-    store.import_records(parse_export(export))
+    store.import_records(read_export(export))
     assert store.generation() == 3
     store.prune(older_than=timedelta(days=1), dry_run=True)
     assert store.generation() == 3

@@ -15,7 +15,7 @@ from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, inspect, text
 
 from .engine import WRITE_OPTION, engine_name
-from .models import Base
+from .models import METADATA
 from .schemas import NoDatabase, SchemaDamaged, SchemaTooNew
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -66,7 +66,7 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
     has_version_table = VERSION_TABLE in tables
     rows = [r[0] for r in conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))] if has_version_table else []
     if not rows:
-        if tables & set(Base.metadata.tables):
+        if tables & set(METADATA.tables):
             state = "is empty" if has_version_table else "is missing"
             raise SchemaDamaged(f"{shown}: the database has kvsplit tables but its schema version table "
                                 f"{VERSION_TABLE} {state}; {_REPAIR}")
@@ -80,7 +80,7 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
     if len(rows) > 1:
         raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} has {len(rows)} rows "
                             f"({', '.join(map(repr, rows))}) where one belongs; {_REPAIR}")
-    missing = [t for t in Base.metadata.tables if t not in tables]
+    missing = [t for t in METADATA.tables if t not in tables]
     if check_tables and rows[0] == head_revision() and missing:
         raise SchemaDamaged(f"{shown}: the table {missing[0]} is missing; run `kvsplit db repair` to recreate it")
     return rows[0]
@@ -99,20 +99,20 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
             restamp = True
         inspector = inspect(conn)
         tables = set(inspector.get_table_names())
-        for table in (t for t in Base.metadata.sorted_tables if t.name in tables):
+        for table in (t for t in METADATA.sorted_tables if t.name in tables):
             lacking = sorted(set(table.columns.keys()) - {c["name"] for c in inspector.get_columns(table.name)})
             if lacking:
                 raise SchemaDamaged(
                     f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision {head}, "
                     f"so its revision cannot be told; restore the database from a backup or an export, or start "
                     f"a new one with --db / KVSPLIT_DB")
-        missing = [t for t in Base.metadata.sorted_tables if t.name not in tables]
+        missing = [t for t in METADATA.sorted_tables if t.name not in tables]
         done = [f"created the missing table {t.name} (empty)" for t in missing]
         if restamp:
             done.append(f"stamped schema revision {head} in {VERSION_TABLE}")
         if dry_run or not done:
             return done
-        Base.metadata.create_all(conn, tables=missing)
+        METADATA.create_all(conn, tables=missing)
         if restamp:
             command.stamp(_config(conn), head, purge=True)  # purge: whatever rows the table holds go
         return done

@@ -22,7 +22,7 @@ from kvsplit.db import (
 )
 from kvsplit.db.engine import create_db_engine
 from kvsplit.db.migrate import VERSION_TABLE, current_revision, upgrade
-from kvsplit.db.models import Base
+from kvsplit.db.models import METADATA
 
 CREATED = datetime(2026, 3, 1, 12, 0, 0)
 UPDATED = datetime(2026, 3, 2, 12, 0, 0)
@@ -83,7 +83,7 @@ def _schema_diff(url: str) -> list:
     engine = create_db_engine(url)
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
-        diff = compare_metadata(ctx, Base.metadata)
+        diff = compare_metadata(ctx, METADATA)
     engine.dispose()
     return diff
 

@@ -9,6 +9,7 @@ import math
 import os
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -369,18 +370,14 @@ class Store:
             raise ValueError("two records of one tuning key")
 
         def work(session: Session) -> ImportSummary:
-            counts, now = {"inserted": 0, "replaced": 0, "kept": 0}, _now()
+            counts, now = Counter(), _now()
             for record in records:
                 stored = find_for_write(session, record.key)
-                if stored is None:
-                    counts["inserted"] += 1
-                elif rule == "replace" or (rule == "newer" and record.updated_at is not None and (
-                        stored.updated_at is None or record.updated_at > stored.updated_at)):
-                    counts["replaced"] += 1
-                else:
-                    counts["kept"] += 1
-                    continue
-                if not dry_run:
+                wins = rule == "replace" or (rule == "newer" and record.updated_at is not None and (
+                    stored is None or stored.updated_at is None or record.updated_at > stored.updated_at))
+                outcome = "inserted" if stored is None else "replaced" if wins else "kept"
+                counts[outcome] += 1
+                if outcome != "kept" and not dry_run:
                     write_record(session, record, stored, now, keep_times=True)
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 

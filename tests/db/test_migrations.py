@@ -21,7 +21,7 @@ from kvsplit.db import (
     open_store_for_library,
 )
 from kvsplit.db.engine import create_db_engine
-from kvsplit.db.migrate import VERSION_TABLE, current_revision, upgrade
+from kvsplit.db.migrate import VERSION_TABLE, upgrade
 from kvsplit.db.models import METADATA
 
 CREATED = datetime(2026, 3, 1, 12, 0, 0)
@@ -74,7 +74,7 @@ def _build_revision_1(url: str) -> None:
 def _revision(url: str) -> str | None:
     engine = create_db_engine(url)
     with engine.connect() as conn:
-        found = current_revision(conn)
+        found = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
     engine.dispose()
     return found
 

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
-import os
 import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import platformdirs
 from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -283,38 +278,26 @@ class Store:
         if damage:
             raise DamagedRows(self.url, damage)
 
-    def repair(self, quarantine: Path | None = None, *, dry_run: bool = False) -> RepairResult:
-        """Move every row that does not parse, and the rows that depend on it, to ``quarantine`` (JSON
-        lines; default beside an SQLite file, else in the user cache directory), in one transaction:
-        an ``OSError`` writing the file deletes nothing."""
-        if quarantine is None and self._target is not None and self._target.path is not None:
-            quarantine = self._target.path.with_name(self._target.path.name + ".quarantine.jsonl")
-        target = Path(quarantine or Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl")
+    def repair(self, keep: Callable[[list[Damage]], None], *, dry_run: bool = False) -> RepairResult:
+        """Delete every row that does not parse, and the rows that depend on it, in one transaction, once
+        ``keep`` has them (``kvsplit db repair`` appends them to its quarantine file): if it raises,
+        nothing is deleted.  ``quarantine_file`` and ``schema_repairs`` are the caller's to fill in."""
 
         def work(session: Session) -> RepairResult:
             found = read(session)
-            chosen = {d.where: (d.problem, dict(d.raw)) for d in found.damage}
+            chosen = {d.where: d for d in found.damage}
             gone = {row_id for table, row_id in chosen if table == RESULTS.name}
             for candidate_id, row in found.raw[CANDIDATES.name].items():
                 if row["result_id"] in gone and (CANDIDATES.name, candidate_id) not in chosen:
-                    chosen[(CANDIDATES.name, candidate_id)] = (
+                    chosen[(CANDIDATES.name, candidate_id)] = Damage(
+                        CANDIDATES.name, candidate_id,
                         f"belongs to tuning_results id {row['result_id']}, which is quarantined", row)
             counts = {t.name: sum(1 for table, _ in chosen if table == t.name) for t in TABLES}
             result = RepairResult(dry_run=dry_run, quarantined={t: n for t, n in counts.items() if n},
-                                  problems=[str(d) for d in found.damage], schema_repairs=[],
-                                  quarantine_file=str(target) if chosen else None)
+                                  problems=[str(d) for d in found.damage], schema_repairs=[], quarantine_file=None)
             if dry_run or not chosen:
                 return result
-            now = _now().isoformat()
-            lines = [json.dumps({"quarantined_at": now, "database": self.url, "table": table, "id": _json_safe(row_id),
-                                 "problem": problem, "row": {k: _json_safe(v) for k, v in raw.items()}},
-                                sort_keys=True) for (table, row_id), (problem, raw) in chosen.items()]
-            # The file first, inside the transaction: if it cannot be written, nothing is deleted.
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with target.open("a", encoding="utf-8") as out:
-                out.write("\n".join(lines) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+            keep(list(chosen.values()))  # first, inside the transaction: if it raises, nothing is deleted
             for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):  # children first
                 ids = [row_id for t, row_id in chosen if t == table.name]
                 for start in range(0, len(ids), _CHUNK):
@@ -382,21 +365,6 @@ class Store:
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
-
-
-def _json_safe(value: Any) -> Any:
-    # A stored value as JSON, whatever it is: invalid UTF-8 and bytes as hex, inf and NaN as text.
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return value
-        except UnicodeEncodeError:
-            return {"hex": value.encode("utf-8", "surrogateescape").hex()}
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"hex": bytes(value).hex()}
-    return value if value is None or isinstance(value, (bool, int)) else str(value)
 
 
 def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:

@@ -29,8 +29,10 @@ from .render import (
     show_stats,
     to_json,
 )
+from .quarantine import default_quarantine, quarantine_writer
 from .reports import fleet_progress, store_stats
 from ..db.schemas import ImportRule
+from ..db.engine import parse_target
 from ..db.store import Store, open_store, open_store_for_repair
 from ..export import InvalidExportError, dump_export, make_export, parse_export, read_export_file
 
@@ -371,17 +373,19 @@ def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_j
     this kvsplit's schema, and missing tables are created. Never creates a
     database; a newer schema is left alone (exit 3).
     """
-    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run,
-                                                    config_type=KernelConfig)
+    url = storing_db_url(ctx)
+    store, schema_repairs = open_store_for_repair(url, dry_run=dry_run, config_type=KernelConfig)
     ctx.call_on_close(store.close)
+    path = quarantine_path or default_quarantine(parse_target(url).path)
     try:
-        result = store.repair(quarantine_path, dry_run=dry_run)
+        result = store.repair(quarantine_writer(path, store.url), dry_run=dry_run)
     except OSError as exc:
         where = quarantine_path or "the quarantine file"
         raise InvalidInput(
             f"cannot write {where}: {exc.strerror or exc}; nothing was removed (give another path with --quarantine)"
         ) from None
-    result = result.model_copy(update={"schema_repairs": schema_repairs})
+    result = result.model_copy(update={"schema_repairs": schema_repairs,
+                                       "quarantine_file": str(path) if result.count else None})
     if as_json:
         click.echo(to_json(result))
     else:

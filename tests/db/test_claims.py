@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 from dbtestlib import H200, make_record
 
+from kvsplit.cli.quarantine import quarantine_writer
 from kvsplit.cli.reports import fleet_progress, store_stats
 from kvsplit.db import Claims, StoreError, open_store, open_store_for_library
 from kvsplit.db.claims import standing
@@ -248,7 +249,7 @@ def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp
     assert store.generation() == 3
     store.prune(older_than=timedelta(seconds=0))
     assert store.generation() == 4
-    store.repair(tmp_path / "q.jsonl")
+    store.repair(quarantine_writer(tmp_path / "q.jsonl", store.url))
     assert store.generation() == 5
 
 

@@ -7,7 +7,7 @@ database listed and prints one JSON line per database).
 The faults are generated from the models, not listed by hand: for every
 column of every table (``METADATA``) a value of the wrong type, one out
 of range and one that does not parse, written with raw SQL so that neither
-the ORM nor pydantic stands in the way; then the version table (missing,
+SQLAlchemy's column types nor pydantic stand in the way; then the version table (missing,
 empty, two rows, a future revision, garbage), each data table dropped, and
 three rows that parse alone but not together.  A column type without fault
 values fails the suite: a new column cannot slip past it.

@@ -27,7 +27,7 @@ from .. import _kernel
 from ..config import (BASELINE, DSPLIT, DTYPE_CODES, FEW, KVSPLIT, MAXSUM_FORMAT,
                       STATS_FORMAT_CODES, KernelConfig, split_stats_format)
 from ..db import CandidateResult, TuningPolicy, TuningRecord
-from ..db.schemas import tool_version
+from ..export import tool_version
 from ..reference import random_partials
 from .timing import Timing, time_cuda_graphs, time_host
 

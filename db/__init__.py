@@ -7,10 +7,9 @@ store's first use (:data:`_STORE_SIDE`), not with the package.
 
 import importlib
 
-from .schemas import (BASELINE, BuildStats, CandidateResult, ChoiceKey, ClaimInfo, Config, DamagedRows, DbWarning,
-                      DeviceInfo, DeviceStats, ExportFile, ImportSummary, KernelBuildInfo, NoDatabase, Progress,
-                      PruneResult, RepairResult, SchemaDamaged, SchemaTooNew, StoreError, StoreStats, TuningKey,
-                      TuningPolicy, TuningRecord, WorkerProgress)
+from .schemas import (BASELINE, CandidateResult, ChoiceKey, ClaimInfo, Config, DamagedRows, DbWarning, DeviceInfo,
+                      ImportSummary, KernelBuildInfo, NoDatabase, PruneResult, RepairResult, SchemaDamaged,
+                      SchemaTooNew, StoreError, TuningKey, TuningPolicy, TuningRecord)
 
 _STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage": "rows", "head_revision": "migrate",
                "DEFAULT_TIMEOUT_S": "engine", "ENV_VAR": "engine", "Store": "store", "open_store": "store",
@@ -26,9 +25,8 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "BuildStats", "CandidateResult", "ChoiceKey", "Claim",
-           "ClaimInfo", "Claims", "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "DeviceStats",
-           "ExportFile", "ImportSummary", "KernelBuildInfo", "NoDatabase", "Progress", "PruneResult", "RepairResult",
-           "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError", "StoreStats", "TuningKey", "TuningPolicy",
-           "TuningRecord", "WorkerProgress", "head_revision", "open_store", "open_store_for_library",
+__all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "CandidateResult", "ChoiceKey", "Claim", "ClaimInfo", "Claims",
+           "Config", "Damage", "DamagedRows", "DbWarning", "DeviceInfo", "ImportSummary", "KernelBuildInfo",
+           "NoDatabase", "PruneResult", "RepairResult", "SchemaDamaged", "SchemaTooNew", "Step", "Store", "StoreError",
+           "TuningKey", "TuningPolicy", "TuningRecord", "head_revision", "open_store", "open_store_for_library",
            "open_store_for_repair"]

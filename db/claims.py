@@ -7,7 +7,6 @@ the result and the end of the claim are one transaction; times are the database 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -19,13 +18,15 @@ from sqlalchemy.orm import Session
 
 from .models import BUILDS, CLAIMS, canonical_json
 from .rows import Reader, device_is, find_for_write, raw_columns, read, stored_time, write_record
-from .schemas import ClaimInfo, Progress, TuningKey, TuningRecord, WorkerProgress
+from .schemas import ClaimInfo, TuningKey, TuningRecord
 from .store import Store
 
 #: ``done``: result stored; ``claimed``: live lease; ``failed``: final for now;
 #: ``expired``: lease ran out (claimable); ``left``: claimable.
 Standing = Literal["done", "claimed", "failed", "expired", "left"]
 CLAIMABLE: tuple[Standing, ...] = ("left", "expired")
+#: A key of :meth:`Claims.survey`: the key, its claim, where it stands.
+Surveyed = tuple[TuningKey, ClaimInfo | None, Standing]
 
 
 def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
@@ -230,10 +231,12 @@ class Claims:
 
         self._store.transaction(work, write=True, bump=record is not None)
 
-    def progress(self, keys: Sequence[TuningKey] | None = None) -> Progress:
-        """How far ``keys`` are; without ``keys``, every key ever registered (rows that do not parse left out)."""
+    def survey(self, keys: Sequence[TuningKey] | None = None) -> tuple[datetime, list[Surveyed]]:
+        """From one read: the database's clock, and each of ``keys`` with its claim (``None``: none, or
+        one that does not parse) and :func:`standing`; without ``keys``, every key ever registered (rows
+        that do not parse left out)."""
 
-        def work(session: Session) -> Progress:
+        def work(session: Session) -> tuple[datetime, list[Surveyed]]:
             now = database_now(session)
             if keys is None:
                 rows = [dict(m) for m in session.execute(select(*_RAW).order_by(CLAIMS.c.id)).mappings()]
@@ -242,21 +245,6 @@ class Claims:
             claims = {c.key: c for c in map(Reader().claim, rows) if c is not None}
             wanted = list(claims) if keys is None else list(keys)
             stored = _stored(session, wanted)
-            where = [standing(claims.get(key), key in stored, now) for key in wanted]
-            counts = Counter(where)
-            held: dict[str, list[ClaimInfo]] = defaultdict(list)
-            for key, at in zip(wanted, where):
-                if at == "claimed":
-                    held[claims[key].owner or "?"].append(claims[key])
-            return Progress(
-                url=self.url, now=now, keys=len(wanted), done=counts["done"], claimed=counts["claimed"],
-                failed=counts["failed"], left=counts["left"] + counts["expired"], expired=counts["expired"],
-                attempts=sum(claims[key].attempts for key in wanted if key in claims),
-                workers=[WorkerProgress(owner=owner, claimed=len(mine),
-                                        since=min((c.claimed_at for c in mine if c.claimed_at), default=None),
-                                        heartbeat_at=max((c.heartbeat_at for c in mine if c.heartbeat_at),
-                                                         default=None))
-                         for owner, mine in sorted(held.items())],
-                failures=[claims[key] for key, at in zip(wanted, where) if at == "failed"])
+            return now, [(key, claims.get(key), standing(claims.get(key), key in stored, now)) for key in wanted]
 
         return self._store.transaction(work, write=False)

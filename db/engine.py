@@ -222,17 +222,13 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
         dbapi_connection.isolation_level = None
         # Invalid UTF-8 must not fail the whole query: it reads back with surrogates, which rows.py calls damage.
         dbapi_connection.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")  # first: WAL itself needs the lock
-            cursor.execute("PRAGMA journal_mode = WAL")
-            # NORMAL is safe under WAL (a power cut may lose the last commits) and spares an fsync per upsert.
-            cursor.execute("PRAGMA synchronous = NORMAL")
-            cursor.execute("PRAGMA foreign_keys = ON")
-            # No memory-mapped reads: a mapped file truncated or made immutable kills the process (SIGBUS).
-            cursor.execute("PRAGMA mmap_size = 0")
-        finally:
-            cursor.close()
+        dbapi_connection.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")  # first: WAL itself needs the lock
+        dbapi_connection.execute("PRAGMA journal_mode = WAL")
+        # NORMAL is safe under WAL (a power cut may lose the last commits) and spares an fsync per upsert.
+        dbapi_connection.execute("PRAGMA synchronous = NORMAL")
+        dbapi_connection.execute("PRAGMA foreign_keys = ON")
+        # No memory-mapped reads: a mapped file truncated or made immutable kills the process (SIGBUS).
+        dbapi_connection.execute("PRAGMA mmap_size = 0")
 
     @event.listens_for(engine, "begin")
     def _begin(conn):  # noqa: ANN001

@@ -9,13 +9,12 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, inspect, text
 
 from .engine import WRITE_OPTION, engine_name
-from .models import Base
+from .models import METADATA
 from .schemas import NoDatabase, SchemaDamaged, SchemaTooNew
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -45,29 +44,14 @@ def head_revision() -> str:
     return _scripts().get_current_head()
 
 
-def current_revision(conn: Connection) -> str | None:
-    """The revision stamped in the database, ``None`` if it has no kvsplit schema."""
-    return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
-
-
-def _check_known(revision: str | None, shown: str) -> None:
-    with contextlib.suppress(CommandError):
-        if revision is None or _scripts().get_revision(revision) is not None:
-            return
-    raise SchemaTooNew(f"{shown}: the database has schema revision {revision!r}, newer than this kvsplit knows "
-                       f"(up to {head_revision()!r}); upgrade kvsplit, or use another database with --db / "
-                       f"KVSPLIT_DB", revision)
-
-
 def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True) -> str | None:
     """The one revision stamped in the database, ``None`` without kvsplit tables; else
     :class:`SchemaDamaged` (or, at head with ``check_tables``, a missing table) or :class:`SchemaTooNew`."""
     tables = set(inspect(conn).get_table_names())
-    has_version_table = VERSION_TABLE in tables
-    rows = [r[0] for r in conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))] if has_version_table else []
+    rows = list(conn.scalars(text(f"SELECT version_num FROM {VERSION_TABLE}"))) if VERSION_TABLE in tables else []
     if not rows:
-        if tables & set(Base.metadata.tables):
-            state = "is empty" if has_version_table else "is missing"
+        if tables & set(METADATA.tables):
+            state = "is empty" if VERSION_TABLE in tables else "is missing"
             raise SchemaDamaged(f"{shown}: the database has kvsplit tables but its schema version table "
                                 f"{VERSION_TABLE} {state}; {_REPAIR}")
         return None
@@ -76,11 +60,16 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
             raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} holds {row!r}, "
                                 f"which is not a schema revision; {_REPAIR}")
     for row in rows:
-        _check_known(row, shown)
+        with contextlib.suppress(CommandError):  # Alembic may raise for a revision it does not know
+            if _scripts().get_revision(row) is not None:
+                continue
+        raise SchemaTooNew(f"{shown}: the database has schema revision {row!r}, newer than this kvsplit knows "
+                           f"(up to {head_revision()!r}); upgrade kvsplit, or use another database with --db / "
+                           f"KVSPLIT_DB", row)
     if len(rows) > 1:
         raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} has {len(rows)} rows "
                             f"({', '.join(map(repr, rows))}) where one belongs; {_REPAIR}")
-    missing = [t for t in Base.metadata.tables if t not in tables]
+    missing = [t for t in METADATA.tables if t not in tables]
     if check_tables and rows[0] == head_revision() and missing:
         raise SchemaDamaged(f"{shown}: the table {missing[0]} is missing; run `kvsplit db repair` to recreate it")
     return rows[0]
@@ -99,20 +88,20 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
             restamp = True
         inspector = inspect(conn)
         tables = set(inspector.get_table_names())
-        for table in (t for t in Base.metadata.sorted_tables if t.name in tables):
+        for table in (t for t in METADATA.sorted_tables if t.name in tables):
             lacking = sorted(set(table.columns.keys()) - {c["name"] for c in inspector.get_columns(table.name)})
             if lacking:
                 raise SchemaDamaged(
                     f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision {head}, "
                     f"so its revision cannot be told; restore the database from a backup or an export, or start "
                     f"a new one with --db / KVSPLIT_DB")
-        missing = [t for t in Base.metadata.sorted_tables if t.name not in tables]
+        missing = [t for t in METADATA.sorted_tables if t.name not in tables]
         done = [f"created the missing table {t.name} (empty)" for t in missing]
         if restamp:
             done.append(f"stamped schema revision {head} in {VERSION_TABLE}")
         if dry_run or not done:
             return done
-        Base.metadata.create_all(conn, tables=missing)
+        METADATA.create_all(conn, tables=missing)
         if restamp:
             command.stamp(_config(conn), head, purge=True)  # purge: whatever rows the table holds go
         return done
@@ -131,14 +120,13 @@ def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | Non
             with conn.begin():
                 if conn.dialect.name == "postgresql":
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK_ID})")
-                before = current_revision(conn)
-                _check_known(before, engine_name(engine))
+                before = stamped_revision(conn, engine_name(engine), check_tables=False)
                 if target == "head" and before == head_revision():
                     return before, before  # another process got here first
                 upward = target == "head" or before is None or any(
                     r.revision == before for r in _scripts().iterate_revisions(target, "base"))
                 (command.upgrade if upward else command.downgrade)(_config(conn), target)
-                after = current_revision(conn)
+                after = stamped_revision(conn, engine_name(engine), check_tables=False)
         finally:
             if sqlite:
                 conn.connection.driver_connection.execute("PRAGMA foreign_keys = ON")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from importlib import metadata
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -289,24 +288,6 @@ class TuningRecord(_Model):
         return value if math.isfinite(value) else None
 
 
-def tool_version() -> str:
-    """The installed kvsplit version, or ``"unknown"`` when running from a source tree."""
-    try:
-        return metadata.version("kvsplit")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-class ExportFile(_Model):
-    """The JSON exchange format, ``{"format": "kvsplit-tuning", "version": 1, "records": [...]}``."""
-
-    format: Literal["kvsplit-tuning"] = "kvsplit-tuning"
-    version: Literal[1] = 1
-    exported_at: Time = None
-    tool_version: str | None = None
-    records: list[TuningRecord]
-
-
 class ImportSummary(_Model):
     """What an import did (or, with ``dry_run``, would do)."""
 
@@ -343,41 +324,6 @@ class RepairResult(_Model):
         return sum(self.quarantined.values())
 
 
-class DeviceStats(_Model):
-    """Per-device summary; speed-ups are over kv_split=1, among keys that measured it."""
-
-    device: DeviceInfo
-    keys: int
-    mean_speedup: float | None
-    max_speedup: float | None
-    oldest: datetime | None
-    newest: datetime | None
-
-
-class BuildStats(_Model):
-    """Per-build summary; ``stale`` as :meth:`Store.stats` says; ``installed``: a build of this
-    kvsplit (CUDA or CPU), as the command sets it."""
-
-    build_hash: str
-    library_version: str
-    keys: int
-    newest: datetime | None
-    stale: bool
-    installed: bool = False
-
-
-class StoreStats(_Model):
-    """Summary of a whole database."""
-
-    url: str
-    keys: int
-    devices: list[DeviceStats]
-    builds: list[BuildStats]
-    current_build: str | None
-    oldest: datetime | None
-    newest: datetime | None
-
-
 class ClaimInfo(_Model):
     """One key of a fleet's grid as the claims table holds it (server clock times; a ``claimed``
     claim past ``expires_at`` may be taken over)."""
@@ -400,29 +346,3 @@ class ClaimInfo(_Model):
         if self.state == "claimed" and self.expires_at is None:
             raise ValueError("a claimed claim needs expires_at")
         return self
-
-
-class WorkerProgress(_Model):
-    """A worker (host/pid/device) that holds live claims."""
-
-    owner: str
-    claimed: int
-    since: datetime | None
-    heartbeat_at: datetime | None
-
-
-class Progress(_Model):
-    """How far a grid (or every registered key) is: ``done + claimed + failed + left == keys``, with
-    ``expired`` claims among those ``left`` (see :func:`kvsplit.db.claims.standing`)."""
-
-    url: str
-    now: datetime
-    keys: int
-    done: int
-    claimed: int
-    failed: int
-    left: int
-    expired: int
-    attempts: int
-    workers: list[WorkerProgress]
-    failures: list[ClaimInfo]

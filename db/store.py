@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
-import os
 import threading
 import warnings
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import platformdirs
 from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -26,13 +21,14 @@ from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
                    write_record)
-from .schemas import (CHOICE_FIELDS, BuildStats, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo,
-                      DeviceStats, ExportFile, ImportRule, ImportSummary, NoDatabase, PruneResult, RepairResult,
-                      StoreError, StoreStats, TuningKey, TuningRecord, tool_version)
+from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ImportRule, ImportSummary,
+                      KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey, TuningRecord)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
 OnDamage = Literal["raise", "warn"]
+#: Every record, every build, and the hashes of the stale builds: :meth:`Store.inventory`.
+Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
 # A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT
 # and INSERT; the retry then finds its row and updates it.
 _WRITE_ATTEMPTS = 5
@@ -256,33 +252,14 @@ class Store:
                  r.stats_format, r.num_splits, r.rows)
         return self._records(conditions, order_by=order)
 
-    def stats(self, current_build: str | Collection[str] | None = None) -> StoreStats:
-        """Keys per device, mean speed-up of the winner over kv_split=1, times, and stale builds (as
-        :func:`~kvsplit.db.rows.stale_build_ids` says)."""
+    def inventory(self, current_build: str | Collection[str] | None = None) -> Inventory:
+        """From one read, for a report of the whole database: every record, every build, and the hashes
+        of the stale builds (as :func:`~kvsplit.db.rows.stale_build_ids` says)."""
 
-        def work(session: Session) -> tuple[StoreStats, list[Damage]]:
+        def work(session: Session) -> tuple[Inventory, list[Damage]]:
             found = read(session)
             stale = {found.builds[i].build_hash for i in stale_build_ids(session, current_build) if i in found.builds}
-            records = list(found.records.values())
-            per_device: dict[DeviceInfo, list[TuningRecord]] = defaultdict(list)
-            per_build: dict[str, list[TuningRecord]] = defaultdict(list)
-            for record in records:
-                per_device[record.key.device].append(record)
-                per_build[record.key.build_hash].append(record)
-            devices = []
-            for device, recs in sorted(per_device.items(), key=lambda item: item[0].label):
-                speedups = [s for s in (r.speedup for r in recs) if s is not None]
-                devices.append(DeviceStats(device=device, keys=len(recs), max_speedup=max(speedups, default=None),
-                                           mean_speedup=sum(speedups) / len(speedups) if speedups else None,
-                                           **_span(recs)))
-            versions = sorted({b.build_hash: b.library_version for b in found.builds.values()}.items())
-            named = (current_build if current_build is None or isinstance(current_build, str)
-                     else ",".join(sorted(current_build)))
-            return StoreStats(
-                url=self.url, keys=len(records), devices=devices, current_build=named,
-                builds=[BuildStats(build_hash=h, library_version=v, keys=len(per_build[h]),
-                                   newest=_span(per_build[h])["newest"], stale=h in stale) for h, v in versions],
-                **_span(records)), found.damage
+            return (list(found.records.values()), list(found.builds.values()), stale), found.damage
 
         return self._read(work)
 
@@ -301,38 +278,26 @@ class Store:
         if damage:
             raise DamagedRows(self.url, damage)
 
-    def repair(self, quarantine: Path | None = None, *, dry_run: bool = False) -> RepairResult:
-        """Move every row that does not parse, and the rows that depend on it, to ``quarantine`` (JSON
-        lines; default beside an SQLite file, else in the user cache directory), in one transaction:
-        an ``OSError`` writing the file deletes nothing."""
-        if quarantine is None and self._target is not None and self._target.path is not None:
-            quarantine = self._target.path.with_name(self._target.path.name + ".quarantine.jsonl")
-        target = Path(quarantine or Path(platformdirs.user_cache_dir("kvsplit")) / "quarantine.jsonl")
+    def repair(self, keep: Callable[[list[Damage]], None], *, dry_run: bool = False) -> RepairResult:
+        """Delete every row that does not parse, and the rows that depend on it, in one transaction, once
+        ``keep`` has them (``kvsplit db repair`` appends them to its quarantine file): if it raises,
+        nothing is deleted.  ``quarantine_file`` and ``schema_repairs`` are the caller's to fill in."""
 
         def work(session: Session) -> RepairResult:
             found = read(session)
-            chosen = {d.where: (d.problem, dict(d.raw)) for d in found.damage}
+            chosen = {d.where: d for d in found.damage}
             gone = {row_id for table, row_id in chosen if table == RESULTS.name}
             for candidate_id, row in found.raw[CANDIDATES.name].items():
                 if row["result_id"] in gone and (CANDIDATES.name, candidate_id) not in chosen:
-                    chosen[(CANDIDATES.name, candidate_id)] = (
+                    chosen[(CANDIDATES.name, candidate_id)] = Damage(
+                        CANDIDATES.name, candidate_id,
                         f"belongs to tuning_results id {row['result_id']}, which is quarantined", row)
             counts = {t.name: sum(1 for table, _ in chosen if table == t.name) for t in TABLES}
             result = RepairResult(dry_run=dry_run, quarantined={t: n for t, n in counts.items() if n},
-                                  problems=[str(d) for d in found.damage], schema_repairs=[],
-                                  quarantine_file=str(target) if chosen else None)
+                                  problems=[str(d) for d in found.damage], schema_repairs=[], quarantine_file=None)
             if dry_run or not chosen:
                 return result
-            now = _now().isoformat()
-            lines = [json.dumps({"quarantined_at": now, "database": self.url, "table": table, "id": _json_safe(row_id),
-                                 "problem": problem, "row": {k: _json_safe(v) for k, v in raw.items()}},
-                                sort_keys=True) for (table, row_id), (problem, raw) in chosen.items()]
-            # The file first, inside the transaction: if it cannot be written, nothing is deleted.
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with target.open("a", encoding="utf-8") as out:
-                out.write("\n".join(lines) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
+            keep(list(chosen.values()))  # first, inside the transaction: if it raises, nothing is deleted
             for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):  # children first
                 ids = [row_id for t, row_id in chosen if t == table.name]
                 for start in range(0, len(ids), _CHUNK):
@@ -344,7 +309,7 @@ class Store:
     def prune(self, *, stale_builds: bool = False, current_build: str | Collection[str] | None = None,
               other_devices_than: DeviceInfo | str | None = None, older_than: timedelta | None = None,
               dry_run: bool = False) -> PruneResult:
-        """Delete the results of stale builds (see :meth:`stats`), of every device but
+        """Delete the results of stale builds (see :meth:`inventory`), of every device but
         ``other_devices_than`` (a string matches part of a name and must match one, else
         ``ValueError``) or last updated longer ago than ``older_than``; devices and builds left
         empty go too."""
@@ -377,58 +342,29 @@ class Store:
 
         return self._read(work, write=not dry_run, bump=not dry_run)
 
-    def export_records(self, **filters: object) -> ExportFile:
-        """An :class:`ExportFile` of the records matching ``filters`` (as :meth:`query`), stamped now."""
-        return ExportFile(exported_at=_now(), tool_version=tool_version(), records=self.query(**filters))
-
-    def import_records(self, source: ExportFile | Iterable[TuningRecord], *, rule: ImportRule = "newer",
+    def import_records(self, records: Iterable[TuningRecord], *, rule: ImportRule = "newer",
                        dry_run: bool = False) -> ImportSummary:
         """Merge records into the store, all or nothing, keeping their times: a stored key is replaced
         if ``rule`` is ``"replace"``, or ``"newer"`` and the incoming ``updated_at`` is strictly later.
         A record that fails validation (``config_type`` too) or two of one key: ``ValueError``."""
         # A record changed with model_copy(update=...) was never validated: all are, again.
-        records = [TuningRecord.model_validate(r.model_dump(), context=self._context)
-                   for r in (source.records if isinstance(source, ExportFile) else source)]
+        records = [TuningRecord.model_validate(r.model_dump(), context=self._context) for r in records]
         if len({r.key for r in records}) != len(records):
             raise ValueError("two records of one tuning key")
 
         def work(session: Session) -> ImportSummary:
-            counts, now = {"inserted": 0, "replaced": 0, "kept": 0}, _now()
+            counts, now = Counter(), _now()
             for record in records:
                 stored = find_for_write(session, record.key)
-                if stored is None:
-                    counts["inserted"] += 1
-                elif rule == "replace" or (rule == "newer" and record.updated_at is not None and (
-                        stored.updated_at is None or record.updated_at > stored.updated_at)):
-                    counts["replaced"] += 1
-                else:
-                    counts["kept"] += 1
-                    continue
-                if not dry_run:
+                wins = rule == "replace" or (rule == "newer" and record.updated_at is not None and (
+                    stored is None or stored.updated_at is None or record.updated_at > stored.updated_at))
+                outcome = "inserted" if stored is None else "replaced" if wins else "kept"
+                counts[outcome] += 1
+                if outcome != "kept" and not dry_run:
                     write_record(session, record, stored, now, keep_times=True)
             return ImportSummary(rule=rule, dry_run=dry_run, **counts)
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
-
-
-def _span(records: list[TuningRecord]) -> dict[str, datetime | None]:
-    times = [r.updated_at for r in records if r.updated_at is not None]
-    return {"oldest": min(times, default=None), "newest": max(times, default=None)}
-
-
-def _json_safe(value: Any) -> Any:
-    # A stored value as JSON, whatever it is: invalid UTF-8 and bytes as hex, inf and NaN as text.
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return value
-        except UnicodeEncodeError:
-            return {"hex": value.encode("utf-8", "surrogateescape").hex()}
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"hex": bytes(value).hex()}
-    return value if value is None or isinstance(value, (bool, int)) else str(value)
 
 
 def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:

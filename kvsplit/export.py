@@ -5,7 +5,7 @@
 anything is written anywhere, record by record (:mod:`.export_text`), configs
 against the kernel layer's vocabulary (:class:`~kvsplit.config.KernelConfig`),
 and reports the problems with the index of the record and the field.  The
-store (:meth:`kvsplit.db.Store.import_records`) takes what this returns.
+store (:meth:`kvsplit.db.Store.import_records`) takes the records this returns.
 """
 
 from __future__ import annotations
@@ -14,19 +14,40 @@ import json
 import re
 from collections.abc import Iterable
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .config import KernelConfig
-from .db.schemas import ExportFile, TuningRecord, tool_version
+from .db.schemas import Time, TuningRecord
 from .export_text import ExportText
 from .files import IMPORT_LIMIT, read_capped, read_regular
 
-__all__ = ["InvalidExportError", "dump_export", "make_export", "parse_export", "read_export", "read_export_file",
-           "tool_version"]
+__all__ = ["ExportFile", "InvalidExportError", "dump_export", "make_export", "parse_export", "read_export",
+           "read_export_file", "tool_version"]
 _KERNEL = {"config": KernelConfig}
+
+
+def tool_version() -> str:
+    """The installed kvsplit version, or ``"unknown"`` when running from a source tree."""
+    try:
+        return metadata.version("kvsplit")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class ExportFile(BaseModel):
+    """The JSON exchange format, ``{"format": "kvsplit-tuning", "version": 1, "records": [...]}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["kvsplit-tuning"] = "kvsplit-tuning"
+    version: Literal[1] = 1
+    exported_at: Time = None
+    tool_version: str | None = None
+    records: list[TuningRecord]
 
 
 class InvalidExportError(ValueError):

@@ -128,7 +128,7 @@ def test_the_store_knows_nothing_of_the_kernel_extension(tmp_path):
              "for m in pkgutil.iter_modules(db.__path__):\n"
              "    importlib.import_module('kvsplit.db.' + m.name)\n"
              "store = db.open_store('sqlite://')\n"
-             "store.query(); store.stats(); store.repair(dry_run=True)\n"
+             "store.query(); store.inventory(); store.repair(print, dry_run=True)\n"
              "print(' '.join(sorted(sys.modules)))")
     result = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, check=True,
                             timeout=120, env={**os.environ, "KVSPLIT_DB": str(tmp_path / "t.sqlite")})

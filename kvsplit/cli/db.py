@@ -29,9 +29,12 @@ from .render import (
     show_stats,
     to_json,
 )
+from .quarantine import default_quarantine, quarantine_writer
+from .reports import fleet_progress, store_stats
 from ..db.schemas import ImportRule
+from ..db.engine import parse_target
 from ..db.store import Store, open_store, open_store_for_repair
-from ..export import InvalidExportError, dump_export, parse_export, read_export_file
+from ..export import InvalidExportError, dump_export, make_export, parse_export, read_export_file
 
 __all__ = ["EXIT_DATABASE", "EXIT_INVALID", "EXIT_NOT_FOUND", "db"]
 
@@ -185,9 +188,7 @@ def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
     one; the builds table and --json also mark the installed ones.
     """
     installed = _installed_builds()
-    result = _open(ctx).stats(current_build or installed)
-    result = result.model_copy(update={"builds": [
-        b.model_copy(update={"installed": b.build_hash in installed}) for b in result.builds]})
+    result = store_stats(_open(ctx), current_build or installed, installed)
     if as_json:
         click.echo(to_json(result))
     else:
@@ -202,7 +203,7 @@ def stats(ctx: click.Context, current_build: str | None, as_json: bool) -> None:
 @click.pass_context
 def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
     """Export tuning results as JSON (format kvsplit-tuning, version 1)."""
-    export = _open(ctx).export_records(**_bucketed(filters))
+    export = make_export(_open(ctx).query(**_bucketed(filters)))
     text = dump_export(export)
     if out_path is None:
         click.echo(text, nl=False)
@@ -264,7 +265,7 @@ def import_(
     ]
     if unsupported:
         raise InvalidExportError(unsupported)
-    summary = _open(ctx, create=True, stores=True).import_records(export, rule=rule, dry_run=dry_run)
+    summary = _open(ctx, create=True, stores=True).import_records(export.records, rule=rule, dry_run=dry_run)
     if as_json:
         click.echo(to_json(summary))
     else:
@@ -341,7 +342,7 @@ def progress(ctx: click.Context, as_json: bool) -> None:
     heartbeat, and why keys failed. For one grid, give `kvsplit tune` its grid
     options and --status instead.
     """
-    result = Claims(_open(ctx)).progress()
+    result = fleet_progress(Claims(_open(ctx)))
     if as_json:
         click.echo(to_json(result))
     else:
@@ -372,17 +373,19 @@ def repair(ctx: click.Context, quarantine_path: Path | None, dry_run: bool, as_j
     this kvsplit's schema, and missing tables are created. Never creates a
     database; a newer schema is left alone (exit 3).
     """
-    store, schema_repairs = open_store_for_repair(storing_db_url(ctx), dry_run=dry_run,
-                                                    config_type=KernelConfig)
+    url = storing_db_url(ctx)
+    store, schema_repairs = open_store_for_repair(url, dry_run=dry_run, config_type=KernelConfig)
     ctx.call_on_close(store.close)
+    path = quarantine_path or default_quarantine(parse_target(url).path)
     try:
-        result = store.repair(quarantine_path, dry_run=dry_run)
+        result = store.repair(quarantine_writer(path, store.url), dry_run=dry_run)
     except OSError as exc:
         where = quarantine_path or "the quarantine file"
         raise InvalidInput(
             f"cannot write {where}: {exc.strerror or exc}; nothing was removed (give another path with --quarantine)"
         ) from None
-    result = result.model_copy(update={"schema_repairs": schema_repairs})
+    result = result.model_copy(update={"schema_repairs": schema_repairs,
+                                       "quarantine_file": str(path) if result.count else None})
     if as_json:
         click.echo(to_json(result))
     else:

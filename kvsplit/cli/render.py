@@ -19,7 +19,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ..terminal import labelled, text
-from ..db.schemas import BASELINE, ImportSummary, Progress, PruneResult, RepairResult, StoreStats, TuningRecord
+from ..db.schemas import BASELINE, ImportSummary, PruneResult, RepairResult, TuningRecord
+from .reports import Progress, StoreStats
 
 
 def _key_cells(k) -> tuple[Text, ...]:

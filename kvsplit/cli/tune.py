@@ -328,9 +328,10 @@ def _status(db_url, keys: list, as_json: bool) -> None:
     from ..db import Claims, open_store
     from .render import console as table_console
     from .render import show_progress, to_json
+    from .reports import fleet_progress
 
     with open_store(db_url, on_damage="warn", config_type=KernelConfig) as store:
-        result = Claims(store).progress(keys)
+        result = fleet_progress(Claims(store), keys)
     if as_json:
         click.echo(to_json(result))
     else:

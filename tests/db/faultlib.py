@@ -5,9 +5,9 @@ file as a script: ``python faultlib.py JOB.json`` merges against every
 database listed and prints one JSON line per database).
 
 The faults are generated from the models, not listed by hand: for every
-column of every table (``Base.metadata``) a value of the wrong type, one out
+column of every table (``METADATA``) a value of the wrong type, one out
 of range and one that does not parse, written with raw SQL so that neither
-the ORM nor pydantic stands in the way; then the version table (missing,
+SQLAlchemy's column types nor pydantic stand in the way; then the version table (missing,
 empty, two rows, a future revision, garbage), each data table dropped, and
 three rows that parse alone but not together.  A column type without fault
 values fails the suite: a new column cannot slip past it.
@@ -147,10 +147,10 @@ class Fault:
 
 
 def _column_faults() -> list[Fault]:
-    from kvsplit.db.models import Base
+    from kvsplit.db.models import METADATA
 
     faults = []
-    for table in Base.metadata.sorted_tables:
+    for table in METADATA.sorted_tables:
         for column in table.columns:
             if column.primary_key:
                 continue  # rowids: SQLite cannot store anything but an integer there

@@ -10,6 +10,8 @@ import pytest
 import sqlalchemy as sa
 from dbtestlib import H200, make_record
 
+from kvsplit.cli.quarantine import quarantine_writer
+from kvsplit.cli.reports import fleet_progress, store_stats
 from kvsplit.db import Claims, StoreError, open_store, open_store_for_library
 from kvsplit.db.claims import standing
 
@@ -79,7 +81,7 @@ def test_an_expired_lease_is_taken_over_and_the_old_owner_can_no_longer_renew(cl
     assert not claims.renew(old, 0.5)
     claims.finish(old, error="late failure")  # not ours any more: changes nothing
     claims.finish(step.claim, record=_record(keys[0]))
-    progress = claims.progress(keys)
+    progress = fleet_progress(claims, keys)
     assert (progress.done, progress.failed, progress.attempts) == (1, 0, 2)
 
 
@@ -103,13 +105,13 @@ def test_progress_counts_owners_failures_and_expired_leases(claims, store):
     failed = _next(claims, keys, "gpu-host/7/cuda:0").claim
     claims.finish(failed, error="RuntimeError: boom")
     time.sleep(0.4)
-    progress = claims.progress(keys)
+    progress = fleet_progress(claims, keys)
     assert (progress.keys, progress.done, progress.claimed, progress.failed, progress.left,
             progress.expired) == (5, 1, 1, 1, 2, 1)
     assert [(w.owner, w.claimed) for w in progress.workers] == [("gpu-host/7/cuda:0", 1)]
     assert progress.workers[0].since == held.claimed_at
     assert [(f.key, f.error) for f in progress.failures] == [(failed.key, "RuntimeError: boom")]
-    everything = claims.progress()  # every registered key: the same grid here
+    everything = fleet_progress(claims)  # every registered key: the same grid here
     assert everything.model_dump(exclude={"now"}) == progress.model_dump(exclude={"now"})
     assert expired.key not in {f.key for f in progress.failures}
 
@@ -167,7 +169,7 @@ def test_a_key_finished_while_another_worker_looks_is_not_claimed_again(db_url, 
         monkeypatch.undo()
         assert calls[0] == set()  # B's first read did not see A's result
         assert step.claim is None
-        progress = claims_a.progress(keys)
+        progress = fleet_progress(claims_a, keys)
         assert (progress.done, progress.attempts) == (1, 1)
 
 
@@ -179,7 +181,7 @@ def test_a_claim_row_that_does_not_parse_is_claimable_and_repaired_away(store, c
         conn.exec_driver_sql("UPDATE tuning_claims SET state = 'gone'")
     engine.dispose()
     assert [d.table for d in store.damage()] == ["tuning_claims"]
-    assert claims.progress(keys).left == 1
+    assert fleet_progress(claims, keys).left == 1
     step = _next(claims, keys)
     assert step.claim is not None and step.claim.attempt == 1
     assert store.damage() == []  # the claim overwrote it
@@ -200,7 +202,7 @@ def test_the_result_and_the_end_of_its_claim_are_one_transaction(claims, store, 
         claims.finish(claim, record=_record(keys[0]))
     monkeypatch.setattr(claims_module, "update", real)
     assert store.get(keys[0]) is None  # rolled back with the claim: no result without its claim's end
-    assert claims.progress(keys).claimed == 1
+    assert fleet_progress(claims, keys).claimed == 1
 
 
 def test_standing_of_a_key():
@@ -226,7 +228,7 @@ def test_standing_of_a_key():
 
 
 def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp_path):
-    from kvsplit.export import dump_export, make_export, parse_export
+    from kvsplit.export import dump_export, make_export, read_export
 
     assert store.generation() is None
     store.upsert(make_record(rows=1))
@@ -235,19 +237,19 @@ def test_every_write_of_results_bumps_the_generation_and_reads_do_not(store, tmp
     assert store.generation() == 2  # one transaction, one bump
     store.query()
     store.load_choices(H200, "build-a")
-    store.stats()
+    store_stats(store)
     assert store.generation() == 2
     export = tmp_path / "e.json"
     export.write_text(dump_export(make_export([make_record(rows=4)])))
-    store.import_records(parse_export(export), dry_run=True)
+    store.import_records(read_export(export), dry_run=True)
     assert store.generation() == 2
-    store.import_records(parse_export(export))
+    store.import_records(read_export(export))
     assert store.generation() == 3
     store.prune(older_than=timedelta(days=1), dry_run=True)
     assert store.generation() == 3
     store.prune(older_than=timedelta(seconds=0))
     assert store.generation() == 4
-    store.repair(tmp_path / "q.jsonl")
+    store.repair(quarantine_writer(tmp_path / "q.jsonl", store.url))
     assert store.generation() == 5
 
 

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import sqlalchemy as sa
 from dbtestlib import H200, make_record
+from kvsplit.cli.reports import store_stats
 from kvsplit.config import KernelConfig
 from kvsplit.db import DamagedRows, DbWarning, open_store, open_store_for_library
 from kvsplit.db.engine import create_db_engine
@@ -47,7 +48,7 @@ def test_a_library_store_skips_the_row_with_one_warning_naming_it(damaged):
     assert "tuning_results id" in first[0] and "winner_params is not JSON" in first[0]
     assert "kvsplit db repair" in first[0]
     # The same row is not warned about again, whatever reads it.
-    again, later = _caught(lambda: (store.load_choices(H200, "build-a"), store.query(), store.stats()))
+    again, later = _caught(lambda: (store.load_choices(H200, "build-a"), store.query(), store_stats(store)))
     assert later == [] and len(again[1]) == 2 and again[2].keys == 2
     assert not store.in_memory  # the database still serves the rows that parse
     store.close()

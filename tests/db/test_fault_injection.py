@@ -205,9 +205,9 @@ def import_file(tmp_path_factory, dbs):
 
 
 def test_the_faults_cover_every_column_of_every_table():
-    from kvsplit.db.models import Base
+    from kvsplit.db.models import METADATA
 
-    columns = {(t.name, c.name) for t in Base.metadata.sorted_tables for c in t.columns if not c.primary_key}
+    columns = {(t.name, c.name) for t in METADATA.sorted_tables for c in t.columns if not c.primary_key}
     covered = {tuple(name.split(":")[0].split(".")) for name in FAULTS if ":" in name and "." in name}
     assert covered == columns
     assert all(f"{t}.{c}:{kind}" in FAULTS for t, c in columns for kind in ("wrong_type", "out_of_range", "unparsable"))

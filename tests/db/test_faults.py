@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from dbtestlib import make_record
+from kvsplit.cli.reports import store_stats
 from kvsplit.db import DbWarning, StoreError, open_store, open_store_for_library
 
 
@@ -87,7 +88,7 @@ def test_truncated_file_warns_once_across_operations(tmp_path):
         store.query()
         store.upsert(make_record())
         store.query()
-        store.stats()
+        store_stats(store)
     assert len([w for w in caught if issubclass(w.category, DbWarning)]) == 1
     assert len(store.query()) == 1
 

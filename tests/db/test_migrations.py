@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from dbtestlib import make_record
+from kvsplit.cli.reports import fleet_progress
 from kvsplit.config import KernelConfig
 from kvsplit.db import (
     DbWarning,
@@ -20,8 +21,8 @@ from kvsplit.db import (
     open_store_for_library,
 )
 from kvsplit.db.engine import create_db_engine
-from kvsplit.db.migrate import VERSION_TABLE, current_revision, upgrade
-from kvsplit.db.models import Base
+from kvsplit.db.migrate import VERSION_TABLE, upgrade
+from kvsplit.db.models import METADATA
 
 CREATED = datetime(2026, 3, 1, 12, 0, 0)
 UPDATED = datetime(2026, 3, 2, 12, 0, 0)
@@ -73,7 +74,7 @@ def _build_revision_1(url: str) -> None:
 def _revision(url: str) -> str | None:
     engine = create_db_engine(url)
     with engine.connect() as conn:
-        found = current_revision(conn)
+        found = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
     engine.dispose()
     return found
 
@@ -82,7 +83,7 @@ def _schema_diff(url: str) -> list:
     engine = create_db_engine(url)
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
-        diff = compare_metadata(ctx, Base.metadata)
+        diff = compare_metadata(ctx, METADATA)
     engine.dispose()
     return diff
 
@@ -221,7 +222,7 @@ def test_a_database_from_before_fleet_tuning_is_upgraded_and_takes_claims(db_url
     assert step.standings["done"] == 1
     claims.finish(step.claim, record=new)
     assert store.generation() == 1
-    progress = claims.progress([stored, new.key])
+    progress = fleet_progress(claims, [stored, new.key])
     assert (progress.keys, progress.done, progress.left, progress.attempts) == (2, 2, 0, 1)
     store.close()
     engine = create_db_engine(db_url)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsplit.cli import main
+from kvsplit.cli.reports import fleet_progress
 from kvsplit.db import Claims, DbWarning, DeviceInfo, open_store, open_store_for_library
 
 FIELDS = {
@@ -74,7 +75,7 @@ def test_a_failure_message_with_a_nul_is_stored_escaped_on_every_backend(db_url)
         key = make_record().key
         step = claims.claim_next([key], "host/1/cpu", 60.0, run_started=claims.now())
         claims.finish(step.claim, error="boom\x00bang")
-        [failure] = claims.progress([key]).failures
+        [failure] = fleet_progress(claims, [key]).failures
     assert failure.error == "boom\\x00bang"
 
 

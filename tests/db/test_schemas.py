@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvsplit import _native
 from kvsplit.config import FAMILIES, KernelConfig
-from kvsplit.export import parse_export
+from kvsplit.export import make_export, read_export
 from kvsplit.db import (
     CandidateResult,
     DeviceInfo,
@@ -157,7 +157,7 @@ def test_any_valid_records_round_trip_through_store_and_export(records):
         store.upsert_many(records)
         latest = {r.key: r for r in records}  # later upserts of a key replace earlier ones
         assert {r.key: r.candidates for r in store.query()} == {k: r.candidates for k, r in latest.items()}
-        other.import_records(parse_export(store.export_records().model_dump_json()))
+        other.import_records(read_export(make_export(store.query()).model_dump_json()))
         assert other.query() == store.query()
 
 

@@ -8,6 +8,7 @@ import pytest
 import sqlalchemy as sa
 from dbtestlib import A100, H200, make_record
 from kvsplit.db import TuningKey, open_store
+from kvsplit.cli.reports import store_stats
 from kvsplit.config import KernelConfig
 
 
@@ -109,7 +110,7 @@ def test_stats_counts_speedups_and_stale_builds(store, days):
             make_record(device=A100, rows=1, winner=2, build_hash="build-b", updated_at=days(5)),
         ]
     )
-    stats = store.stats()
+    stats = store_stats(store)
     assert stats.keys == 3
     by_name = {d.device.name: d for d in stats.devices}
     assert by_name["NVIDIA H200"].keys == 2
@@ -120,12 +121,12 @@ def test_stats_counts_speedups_and_stale_builds(store, days):
     assert stats.oldest == days(1) and stats.newest == days(5)
     # Without a current build, all but the most recently tuned build are stale.
     assert {b.build_hash: b.stale for b in stats.builds} == {"build-a": True, "build-b": False}
-    current = store.stats(current_build="build-a")
+    current = store_stats(store, current_build="build-a")
     assert {b.build_hash: b.stale for b in current.builds} == {"build-a": False, "build-b": True}
 
 
 def test_stats_of_an_empty_store(store):
-    stats = store.stats()
+    stats = store_stats(store)
     assert stats.keys == 0 and stats.devices == [] and stats.builds == [] and stats.newest is None
 
 
@@ -145,11 +146,11 @@ def test_prune_criteria_dry_run_and_orphans(store, days):
 
     assert [k.rows for k in store.prune(older_than=timedelta(days=30)).keys] == [1]
     assert [k.rows for k in store.prune(stale_builds=True).keys] == [3]
-    assert store.stats().builds[0].build_hash == "build-a"  # the emptied build row went too
+    assert store_stats(store).builds[0].build_hash == "build-a"  # the emptied build row went too
     with pytest.raises(ValueError, match="no device"):
         store.prune(other_devices_than="B200")
     assert [k.rows for k in store.prune(other_devices_than="h200").keys] == [4]
-    assert [d.device for d in store.stats().devices] == [H200]
+    assert [d.device for d in store_stats(store).devices] == [H200]
     assert store.prune(other_devices_than=H200).count == 0
     assert store.prune().count == 0  # no criterion, nothing deleted
     assert [r.key.rows for r in store.query()] == [2]

@@ -8,33 +8,33 @@ import re
 import pytest
 from dbtestlib import A100, make_record
 from kvsplit.db import open_store
-from kvsplit.export import InvalidExportError, dump_export, parse_export, read_export
+from kvsplit.export import InvalidExportError, dump_export, make_export, parse_export, read_export
 
 
 def _export_dict(records) -> dict:
     with open_store("sqlite://") as scratch:
         scratch.import_records(records)
-        return json.loads(dump_export(scratch.export_records()))
+        return json.loads(dump_export(make_export(scratch.query())))
 
 
 def test_export_then_import_into_an_empty_database(store, db_url, tmp_path, days):
     records = [make_record(rows=r, winner=w, updated_at=days(r)) for r, w in [(1, 16), (64, 4), (4096, 1)]]
     store.import_records(records)
     path = tmp_path / "export.json"
-    path.write_text(dump_export(store.export_records()))
+    path.write_text(dump_export(make_export(store.query())))
     data = json.loads(path.read_text())
     assert data["format"] == "kvsplit-tuning" and data["version"] == 1
     assert len(data["records"]) == 3
 
     with open_store(f"sqlite:///{tmp_path / 'other.sqlite'}") as other:
-        summary = other.import_records(parse_export(path))
+        summary = other.import_records(read_export(path))
         assert (summary.inserted, summary.replaced, summary.kept) == (3, 0, 0)
         assert other.query() == store.query()  # every field, timestamps included
 
 
 def test_export_filters_and_read_export(store):
     store.upsert_many([make_record(), make_record(device=A100)])
-    text = dump_export(store.export_records(device="a100"))
+    text = dump_export(make_export(store.query(device="a100")))
     records = read_export(text)
     assert [r.key.device for r in records] == [A100]
     assert read_export(text.encode()) == records
@@ -57,7 +57,7 @@ def test_import_merge_rules_into_a_non_empty_database(store, days, rule, expect_
         make_record(rows=2, winner=16, updated_at=days(5)),
         make_record(rows=3, winner=16, updated_at=days(1)),
     ]
-    summary = store.import_records(parse_export(json.dumps(_export_dict(incoming))), rule=rule)
+    summary = store.import_records(read_export(json.dumps(_export_dict(incoming))), rule=rule)
     assert (summary.inserted, summary.replaced, summary.kept) == counts
     assert {r.key.rows: r.winner.kv_split for r in store.query()} == expect_rows_winner
     if rule == "newer":
@@ -145,7 +145,7 @@ def test_invalid_import_names_record_and_field_and_writes_nothing(store, days, c
     doc["records"][1]["updated_at"] = days(99).isoformat()  # would replace the stored rows=2
     text = json.dumps(change(doc))  # json writes NaN/Infinity literally, as Python would
     with pytest.raises(InvalidExportError) as info:
-        store.import_records(parse_export(text), rule="replace")
+        store.import_records(read_export(text), rule="replace")
     assert any(re.search(expected, p) for p in info.value.problems), info.value.problems
     assert store.query() == before
 

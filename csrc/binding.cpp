@@ -290,7 +290,8 @@ PYBIND11_MODULE(_ext, m) {
       .def(py::init<>())
       .def_readwrite("device", &CudaTarget::device)
       .def_readwrite("sm_count", &CudaTarget::sm_count)
-      .def_readwrite("pdl", &CudaTarget::pdl);
+      .def_readwrite("pdl", &CudaTarget::pdl)
+      .def_readwrite("l2_bytes", &CudaTarget::l2_bytes);
 
   py::class_<Launch>(m, "Launch")
       .def(py::init([](const MergeParams& p, const KernelConfig& c, const CudaTarget& t) {

@@ -58,6 +58,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
 #: The CUDA devices that check_device passed.
 _RUNNABLE: set[int] = set()
 
@@ -170,6 +175,7 @@ class Launch:
         if self.is_cuda:
             target.device, target.pdl = device.index, pdl and pdl_supported(device.index)
             target.sm_count = sm_count or _sm_count(device.index)
+            target.l2_bytes = _l2_bytes(device.index)
         self.config = config
         self.native = _ext.Launch(params, config.native(), target)
 

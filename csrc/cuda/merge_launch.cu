@@ -17,7 +17,7 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
                            cudaStream_t stream);
 template <DType kPartial, StatsFormat kFormat>
 Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int64_t l2_bytes);
 
 namespace {
 
@@ -66,7 +66,7 @@ Status merge_cuda(const MergeParams& call, const KernelConfig& config, const Cud
           status = launch_dsplit_typed<kPartial, kFormat>(p, config, target.pdl, stream);
         } else {
           status = launch_few_typed<kPartial, kFormat>(p, config, target.sm_count, target.pdl,
-                                                       stream);
+                                                       stream, target.l2_bytes);
         }
       })
     })

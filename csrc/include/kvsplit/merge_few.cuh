@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "kvsplit/device_common.cuh"
 #include "kvsplit/dispatch.h"
@@ -414,6 +415,45 @@ inline bool few_lean_call(const MergeParams& p, int64_t threads, int depth, Merg
          (p.out_stats == nullptr || row_offsets_fit(lean.out_stats_row, tokens, heads, 2));
 }
 
+// The order in which the lean kernel's threads take a call's rows: (token,
+// head), or (head, token) where that puts adjacent threads' stats side by side
+// (a head-major LSE: vLLM's and FlashAttention's [heads, tokens]). Rows are
+// independent, so only the memory each warp touches changes: with token-major
+// order every row of a head-major LSE sits in its own 32-byte sector, which a
+// warp of two or more rows then reads once per row instead of once (vLLM's
+// merge exporting its LSE: 5.83 against 5.05 us at 1024 x 32 x 128, 2.26
+// against 1.97 at 256 x 32 x 64, benchmarks/lab/lab_order.py, H100). The
+// input stats, read once per state, decide; where they do not care, the
+// exported ones. Only for partials that fit half the L2 (`l2_bytes`; 0:
+// unknown, never): past it the partials stream from DRAM, where head-major
+// order costs the loads their locality (4096 x 32 x 128: 36.74 against 35.67
+// us) and the scattered stats cost nothing. A row of partials under 32 bytes
+// shares its sector with the next row's in a token-major layout: such rows
+// keep their order.
+inline bool few_lean_head_major(const MergeParams& lean, uint32_t heads, int64_t l2_bytes) {
+  const auto far = [](int64_t stride) { return stride < 0 ? -stride : stride; };
+  const int64_t tokens = lean.rows / heads;
+  const int64_t row_bytes = lean.head_dim * elem_bytes(lean.partial_dtype);
+  if (heads < 2 || tokens < 2 || tokens > INT32_MAX || row_bytes < 32 ||
+      lean.num_splits * lean.rows * row_bytes > l2_bytes / 2) {
+    return false;
+  }
+  const int64_t token_in = far(lean.stats_row.token), head_in = far(lean.stats_row.head);
+  if (token_in != head_in) return token_in < head_in;
+  return lean.out_stats != nullptr && far(lean.out_stats_row.token) < far(lean.out_stats_row.head);
+}
+
+// `lean` and `heads` with the roles of tokens and heads traded (every tensor's
+// row strides and the divisor), for few_lean_head_major's order.
+inline void few_lean_transpose(MergeParams& lean, uint32_t& heads) {
+  const auto trade = [](RowStrides& s) { std::swap(s.token, s.head); };
+  trade(lean.o_row);
+  trade(lean.stats_row);
+  trade(lean.out_row);
+  trade(lean.out_stats_row);
+  heads = static_cast<uint32_t>(lean.rows / heads);
+}
+
 // The lean kernel's parameters of a call that few_lean_call admitted (`lean`,
 // `heads`) on `geo`'s lanes and row.
 inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
@@ -447,10 +487,11 @@ inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
   return f;
 }
 
-// Launches a checked Few config (check_config, check_call) on rows > 0.
+// Launches a checked Few config (check_config, check_call) on rows > 0 (`l2_bytes`: the
+// device's L2, for few_lean_head_major).
 template <DType kPartial, StatsFormat kFormat>
 Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm_count, bool pdl,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, int64_t l2_bytes = 0) {
   const int general_lanes = few_threads_per_row(p.head_dim, elem_bytes(kPartial), config.vectors);
   if (general_lanes < 1) return fail(Error::kVectors, config.vectors);
   const bool plain = p.flat_rows && p.row_mask == nullptr && p.split_counts == nullptr &&
@@ -475,6 +516,7 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
       lanes = narrow_lanes;
     }
   }
+  if (is_lean && few_lean_head_major(lean, heads, l2_bytes)) few_lean_transpose(lean, heads);
   const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
   // TensorRT-LLM's calls (check_problem, check_call: two LSE splits, depth 2).
   const bool requests = p.request_starts != nullptr || p.pair_stats;

@@ -347,6 +347,7 @@ struct CudaTarget {
   int32_t sm_count = 1;  // bounds the KvSplit grid
   bool pdl = false;      // programmatic dependent launch
   void* stream = nullptr;  // a cudaStream_t of `device`
+  int64_t l2_bytes = 0;  // the device's L2 cache (0: unknown), see few_lean_head_major
 };
 
 }  // namespace kvsplit

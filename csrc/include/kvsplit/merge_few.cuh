@@ -421,7 +421,7 @@ inline bool few_lean_call(const MergeParams& p, int64_t threads, int depth, Merg
 // independent, so only the memory each warp touches changes: with token-major
 // order every row of a head-major LSE sits in its own 32-byte sector, which a
 // warp of two or more rows then reads once per row instead of once (vLLM's
-// merge exporting its LSE: 5.83 against 5.05 us at 1024 x 32 x 128, 2.26
+// merge exporting its LSE: 5.81 against 5.06 us at 1024 x 32 x 128, 2.29
 // against 1.97 at 256 x 32 x 64, benchmarks/lab/lab_order.py, H100). The
 // input stats, read once per state, decide; where they do not care, the
 // exported ones. Only for partials that fit half the L2 (`l2_bytes`; 0:

@@ -60,6 +60,9 @@ def _sm_count(device_index: int) -> int:
 
 @functools.cache
 def _l2_bytes(device_index: int) -> int:
+    # 0 where torch cannot tell (a CPU build of torch): unknown, the Few kernel keeps token order.
+    if not torch.cuda.is_available():
+        return 0
     return torch.cuda.get_device_properties(device_index).L2_cache_size
 
 

@@ -52,6 +52,26 @@ def test_a_cuda_launch_goes_to_the_tensors_device_and_its_current_stream(monkeyp
     assert (native.params.o_stride_split, native.params.o_row) == (64 * 512, (512, 0, 512))
 
 
+@pytest.mark.parametrize("torch_has_cuda", [True, False])
+def test_a_cuda_launch_carries_its_devices_l2_size(monkeypatch, torch_has_cuda):
+    """The Few kernel orders head-major rows by the L2 of the tensors' device (params.h's
+    CudaTarget.l2_bytes); where torch cannot tell (a CPU build), 0: unknown."""
+    sizes = {0: 40 << 20, 1: 50 << 20}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: torch_has_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(L2_cache_size=sizes[index]))
+    monkeypatch.setattr(_kernel, "pdl_supported", lambda index: False)
+    _kernel._l2_bytes.cache_clear()
+    try:
+        device = torch.device("cuda", 1)
+        kernel_launch = _kernel.Launch(KernelConfig.few(1), 0, fake_tensor((2, 64, 128), torch.bfloat16, device),
+                                       fake_tensor((2, 64), torch.float32, device),
+                                       fake_tensor((64, 128), torch.bfloat16, device), None, 1.0, sm_count=132)
+        assert kernel_launch.native.target.l2_bytes == (50 << 20 if torch_has_cuda else 0)
+    finally:
+        _kernel._l2_bytes.cache_clear()
+
+
 def test_a_cpu_launch_never_asks_for_a_stream(monkeypatch):
     partial_o = torch.randn(2, 4, 64).bfloat16()
     stats = torch.randn(2, 4)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 

@@ -19,8 +19,8 @@ from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_
                      is_memory_url, parse_target, stat_file)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
-from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
-                   write_record)
+from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, chunks, device_is, find_for_write, read,
+                   stale_build_ids, write_record)
 from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ImportRule, ImportSummary,
                       KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey, TuningRecord)
 
@@ -32,7 +32,6 @@ Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
 # A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT
 # and INSERT; the retry then finds its row and updates it.
 _WRITE_ATTEMPTS = 5
-_CHUNK = 500  # ids per DELETE, well under every backend's parameter limit
 
 
 def _now() -> datetime:
@@ -299,9 +298,8 @@ class Store:
                 return result
             keep(list(chosen.values()))  # first, inside the transaction: if it raises, nothing is deleted
             for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):  # children first
-                ids = [row_id for t, row_id in chosen if t == table.name]
-                for start in range(0, len(ids), _CHUNK):
-                    session.execute(delete(table).where(table.c.id.in_(ids[start:start + _CHUNK])))
+                for ids in chunks([row_id for t, row_id in chosen if t == table.name]):
+                    session.execute(delete(table).where(table.c.id.in_(ids)))
             return result
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)

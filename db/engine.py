@@ -24,8 +24,8 @@ from .schemas import StoreError
 ENV_VAR = "KVSPLIT_DB"
 #: How long a writer waits for another process's write lock, in seconds.
 DEFAULT_TIMEOUT_S = 30.0
-#: Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE.
-WRITE_OPTION = "kvsplit_write"
+# Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE: see writing().
+_WRITE_OPTION = "kvsplit_write"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # A URL's user, then ":" and the password up to the authority's last "@".
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/]*):[^/]*@")
@@ -169,6 +169,11 @@ def engine_name(engine: Engine) -> str:
     return _NAMES.get(engine) or engine.url.render_as_string(hide_password=True)
 
 
+def writing(engine: Engine) -> Engine:
+    """``engine`` for transactions that write: on SQLite they take the write lock at BEGIN (IMMEDIATE)."""
+    return engine.execution_options(**{_WRITE_OPTION: True})
+
+
 def is_memory_url(url: URL) -> bool:
     """Whether ``url`` names an in-memory SQLite database (the one rule)."""
     return url.get_backend_name() == "sqlite" and (url.database in (None, "", ":memory:")
@@ -232,7 +237,7 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn):  # noqa: ANN001
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE_OPTION) else "BEGIN")
 
 
 _MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')

@@ -15,8 +15,8 @@ from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_db_engine, describe_error, engine_name,
-                     is_memory_url, parse_target, stat_file)
+from .engine import (DEFAULT_TIMEOUT_S, FileWatch, Target, create_db_engine, describe_error, engine_name, is_memory_url,
+                     parse_target, stat_file, writing)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, chunks, device_is, find_for_write, read,
@@ -115,7 +115,7 @@ class Store:
             # A read is several statements: under PostgreSQL's READ COMMITTED each would see a new
             # snapshot and could pair one writer's winner with another's candidates.
             isolation = {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
-            bound = engine.execution_options(**({WRITE_OPTION: True} if write else isolation))
+            bound = writing(engine) if write else engine.execution_options(**isolation)
             # One in-memory connection serves every thread: transactions must not interleave.
             guard = self._memory_lock if self.in_memory else contextlib.nullcontext()
             try:

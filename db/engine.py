@@ -4,7 +4,6 @@ the engine made from it, failures named for people, and the watch on a serving p
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import re
 import sys
@@ -146,19 +145,6 @@ def _from_url(given: str) -> Target:
         return Target(shown, URL.create(url.drivername), memory=True)
     address, path = _absolute(shown, url.database)
     return Target(shown, url.set(database=address.database), path)
-
-
-def stat_file(target: Target) -> os.stat_result | None:
-    """``os.stat`` of the target's SQLite file; ``None`` when there is none, :class:`BadTarget` when
-    the path cannot name a file here (too long, a loop of links, no permission)."""
-    try:
-        return os.stat(target.path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
-        raise BadTarget(f"{target.shown}: cannot use this path: {what}; check the path given with "
-                        f"--db / KVSPLIT_DB") from None
 
 
 _NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()

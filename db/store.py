@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import threading
 import warnings
 from collections import Counter
@@ -15,8 +17,8 @@ from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from .engine import (DEFAULT_TIMEOUT_S, FileWatch, Target, create_db_engine, describe_error, engine_name, is_memory_url,
-                     parse_target, stat_file, writing)
+from .engine import (DEFAULT_TIMEOUT_S, BadTarget, FileWatch, Target, create_db_engine, describe_error, engine_name,
+                     is_memory_url, parse_target, writing)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, chunks, device_is, find_for_write, read,
@@ -372,10 +374,18 @@ def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = T
                          f"nothing to read; give the file or server that holds the tuning results with --db / "
                          f"KVSPLIT_DB")
     # Looked at before SQLite sees it, so that a path that cannot name a file here is said to be one.
-    if target.path is not None and stat_file(target) is None and not create:
-        raise NoDatabase(f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
-                         f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
-                         f"import` do)")
+    try:
+        if target.path is not None:
+            os.stat(target.path)
+    except FileNotFoundError:
+        if not create:
+            raise NoDatabase(f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
+                             f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
+                             f"import` do)") from None
+    except OSError as exc:  # too long, a loop of links, no permission
+        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
+        raise BadTarget(f"{target.shown}: cannot use this path: {what}; check the path given with "
+                        f"--db / KVSPLIT_DB") from None
     return create_db_engine(target, timeout_s=timeout_s, pooled=pooled), target
 
 

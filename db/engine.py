@@ -7,7 +7,6 @@ import ctypes
 import os
 import re
 import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ ENV_VAR = "KVSPLIT_DB"
 DEFAULT_TIMEOUT_S = 30.0
 # Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE: see writing().
 _WRITE_OPTION = "kvsplit_write"
+_SHOWN_OPTION = "kvsplit_shown"  # the database as given, for messages: see engine_name()
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # A URL's user, then ":" and the password up to the authority's last "@".
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/]*):[^/]*@")
@@ -147,12 +147,9 @@ def _from_url(given: str) -> Target:
     return Target(shown, url.set(database=address.database), path)
 
 
-_NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
-
-
 def engine_name(engine: Engine) -> str:
     """The database of ``engine`` as messages show it (as given with --db / KVSPLIT_DB)."""
-    return _NAMES.get(engine) or engine.url.render_as_string(hide_password=True)
+    return engine.get_execution_options().get(_SHOWN_OPTION) or engine.url.render_as_string(hide_password=True)
 
 
 def writing(engine: Engine) -> Engine:
@@ -201,7 +198,7 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
         raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; {_EXAMPLES}") from exc
     except OSError as exc:
         raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
-    _NAMES[engine] = shown
+    engine.update_execution_options(**{_SHOWN_OPTION: shown})
     return engine
 
 
@@ -274,8 +271,7 @@ def _load_statx():  # noqa: ANN202
         statx = ctypes.CDLL(None, use_errno=True).statx
     except (OSError, AttributeError):  # a C library without statx (glibc < 2.28)
         return None
-    statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)
-    statx.restype = ctypes.c_int
+    statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)  # returns int
     return statx
 
 

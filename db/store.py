@@ -56,7 +56,7 @@ def memory_engine() -> Engine:
     return engine
 
 
-class Store:
+class Store(contextlib.AbstractContextManager):
     """Tuning results in a database at the head revision (open it with :func:`open_store` and its
     siblings).  ``config_type`` is what stored configs become (``kvsplit.config.KernelConfig``
     above the store): a config it refuses is a row that does not parse.  ``on_damage``: rows that do not
@@ -91,9 +91,6 @@ class Store:
     def close(self) -> None:
         """Release pooled connections (an in-memory store loses its data)."""
         self._engine.dispose()
-
-    def __enter__(self) -> Store:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

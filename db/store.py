@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from .engine import (DEFAULT_TIMEOUT_S, BadTarget, FileWatch, Target, create_db_engine, describe_error, engine_name,
                      is_memory_url, parse_target, writing)
 from .migrate import ensure_schema, head_revision, restore_schema
-from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
+from .models import BUILDS, CANDIDATES, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, chunks, device_is, find_for_write, read,
                    stale_build_ids, write_record)
 from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ImportRule, ImportSummary,
@@ -246,8 +246,7 @@ class Store(contextlib.AbstractContextManager):
                       else column == value for column, value in columns.items() if value is not None]
         if device is not None:
             conditions.extend(device_is(device))
-        order = (DEVICES.c.name, DEVICES.c.sm_count, BUILDS.c.build_hash, r.head_dim, r.partial_dtype, r.out_dtype,
-                 r.stats_format, r.num_splits, r.rows)
+        order = (DEVICES.c.name, DEVICES.c.sm_count, BUILDS.c.build_hash, *(r[k] for k in CHOICE_FIELDS))
         return self._records(conditions, order_by=order)
 
     def inventory(self, current_build: str | Collection[str] | None = None) -> Inventory:
@@ -296,7 +295,7 @@ class Store(contextlib.AbstractContextManager):
             if dry_run or not chosen:
                 return result
             keep(list(chosen.values()))  # first, inside the transaction: if it raises, nothing is deleted
-            for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):  # children first
+            for table in reversed(TABLES):  # children first
                 for ids in chunks([row_id for t, row_id in chosen if t == table.name]):
                     session.execute(delete(table).where(table.c.id.in_(ids)))
             return result

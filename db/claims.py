@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from .models import BUILDS, CLAIMS, canonical_json
-from .rows import Reader, device_is, find_for_write, raw_columns, read, stored_time, write_record
+from .rows import Reader, chunks, device_is, find_for_write, raw_columns, read, stored_time, write_record
 from .schemas import ClaimInfo, TuningKey, TuningRecord
 from .store import Store
 
@@ -49,7 +49,6 @@ def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
     return "left"  # open, never claimed, damaged, an old failure, or done but since pruned
 
 
-_CHUNK = 500  # keys per IN list, well under every backend's parameter limit
 _RAW = raw_columns(CLAIMS)
 _KEY_TEXT = type_coerce(CLAIMS.c.key, Text)  # compared as the stored text, not re-encoded
 _NOW_PG = func.clock_timestamp()
@@ -99,8 +98,8 @@ class Step:
 
 def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
-    for start in range(0, len(texts), _CHUNK):
-        for raw in session.execute(select(*_RAW).where(_KEY_TEXT.in_(texts[start:start + _CHUNK]))).mappings():
+    for chunk in chunks(texts):
+        for raw in session.execute(select(*_RAW).where(_KEY_TEXT.in_(chunk))).mappings():
             rows[raw["key"]] = dict(raw)
     return rows
 
@@ -116,9 +115,8 @@ def _register(session: Session, texts: Sequence[str]) -> None:
         statement = insert(CLAIMS)
     else:
         statement = dialect_insert(CLAIMS).on_conflict_do_nothing(index_elements=["key"])
-    for start in range(0, len(missing), _CHUNK):
-        session.execute(statement, [{"key": json.loads(t), "state": "open", "attempts": 0}
-                                    for t in missing[start:start + _CHUNK]])
+    if missing:  # one executemany: each row its own parameters, so no IN-list limit applies
+        session.execute(statement, [{"key": json.loads(t), "state": "open", "attempts": 0} for t in missing])
 
 
 def _stored(session: Session, keys: Iterable[TuningKey]) -> set[TuningKey]:

@@ -4,11 +4,9 @@ the engine made from it, failures named for people, and the watch on a serving p
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import re
 import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +22,9 @@ from .schemas import StoreError
 ENV_VAR = "KVSPLIT_DB"
 #: How long a writer waits for another process's write lock, in seconds.
 DEFAULT_TIMEOUT_S = 30.0
-#: Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE.
-WRITE_OPTION = "kvsplit_write"
+# Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE: see writing().
+_WRITE_OPTION = "kvsplit_write"
+_SHOWN_OPTION = "kvsplit_shown"  # the database as given, for messages: see engine_name()
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # A URL's user, then ":" and the password up to the authority's last "@".
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/]*):[^/]*@")
@@ -148,25 +147,14 @@ def _from_url(given: str) -> Target:
     return Target(shown, url.set(database=address.database), path)
 
 
-def stat_file(target: Target) -> os.stat_result | None:
-    """``os.stat`` of the target's SQLite file; ``None`` when there is none, :class:`BadTarget` when
-    the path cannot name a file here (too long, a loop of links, no permission)."""
-    try:
-        return os.stat(target.path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
-        raise BadTarget(f"{target.shown}: cannot use this path: {what}; check the path given with "
-                        f"--db / KVSPLIT_DB") from None
-
-
-_NAMES: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
-
-
 def engine_name(engine: Engine) -> str:
     """The database of ``engine`` as messages show it (as given with --db / KVSPLIT_DB)."""
-    return _NAMES.get(engine) or engine.url.render_as_string(hide_password=True)
+    return engine.get_execution_options().get(_SHOWN_OPTION) or engine.url.render_as_string(hide_password=True)
+
+
+def writing(engine: Engine) -> Engine:
+    """``engine`` for transactions that write: on SQLite they take the write lock at BEGIN (IMMEDIATE)."""
+    return engine.execution_options(**{_WRITE_OPTION: True})
 
 
 def is_memory_url(url: URL) -> bool:
@@ -210,7 +198,7 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
         raise BadTarget(f"bad database URL {shown!r}: {visible(str(exc))}; {_EXAMPLES}") from exc
     except OSError as exc:
         raise StoreError(f"cannot create the directory for {shown!r}: {exc}; check its permissions") from exc
-    _NAMES[engine] = shown
+    engine.update_execution_options(**{_SHOWN_OPTION: shown})
     return engine
 
 
@@ -232,7 +220,7 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn):  # noqa: ANN001
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE_OPTION) else "BEGIN")
 
 
 _MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')
@@ -283,8 +271,7 @@ def _load_statx():  # noqa: ANN202
         statx = ctypes.CDLL(None, use_errno=True).statx
     except (OSError, AttributeError):  # a C library without statx (glibc < 2.28)
         return None
-    statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)
-    statx.restype = ctypes.c_int
+    statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)  # returns int
     return statx
 
 

@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, inspect, text
 
-from .engine import WRITE_OPTION, engine_name
+from .engine import engine_name, writing
 from .models import METADATA
 from .schemas import NoDatabase, SchemaDamaged, SchemaTooNew
 
@@ -79,7 +79,7 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
     """Restore a damaged version table (stamped head, only when every table there has every column of
     head) or missing tables (created empty) for ``kvsplit db repair``; one line per repair."""
     shown, head = engine_name(engine), head_revision()
-    with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn, conn.begin():
+    with writing(engine).connect() as conn, conn.begin():
         try:
             restamp = False
             if stamped_revision(conn, shown, check_tables=False) != head:
@@ -110,7 +110,7 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
 def upgrade(engine: Engine, target: str = "head") -> tuple[str | None, str | None]:
     """Migrate the database to ``target`` in one transaction; (before, after).  An older ``target``
     downgrades (tests build databases of revision ``"0001"`` so)."""
-    with engine.execution_options(**{WRITE_OPTION: True}).connect() as conn:
+    with writing(engine).connect() as conn:
         sqlite = conn.dialect.name == "sqlite"
         if sqlite:
             # Batch mode drops and recreates tables: with foreign keys on, dropping tuning_results

@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
@@ -30,6 +30,14 @@ def raw_columns(table: Table, prefix: str = "") -> list[ColumnElement]:
     """``table``'s columns as stored, labelled ``prefix + name``: timestamps as text."""
     return [(cast(c, Text) if isinstance(c.type, UTCDateTime) else type_coerce(c, NullType())).label(prefix + c.name)
             for c in table.columns]
+
+
+CHUNK = 500  # values per IN list, well under every backend's parameter limit
+
+
+def chunks(values: Sequence[Any]) -> Iterator[Sequence[Any]]:
+    """``values`` in slices of at most :data:`CHUNK`, one IN list each."""
+    return (values[start:start + CHUNK] for start in range(0, len(values), CHUNK))
 
 
 _TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d{1,6})?")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import threading
 import warnings
 from collections import Counter
@@ -15,12 +17,12 @@ from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from .engine import (DEFAULT_TIMEOUT_S, WRITE_OPTION, FileWatch, Target, create_db_engine, describe_error, engine_name,
-                     is_memory_url, parse_target, stat_file)
+from .engine import (DEFAULT_TIMEOUT_S, BadTarget, FileWatch, Target, create_db_engine, describe_error, engine_name,
+                     is_memory_url, parse_target, writing)
 from .migrate import ensure_schema, head_revision, restore_schema
-from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES
-from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, device_is, find_for_write, read, stale_build_ids,
-                   write_record)
+from .models import BUILDS, CANDIDATES, DEVICES, GENERATION, RESULTS, TABLES
+from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, chunks, device_is, find_for_write, read,
+                   stale_build_ids, write_record)
 from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ImportRule, ImportSummary,
                       KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey, TuningRecord)
 
@@ -32,7 +34,6 @@ Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
 # A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT
 # and INSERT; the retry then finds its row and updates it.
 _WRITE_ATTEMPTS = 5
-_CHUNK = 500  # ids per DELETE, well under every backend's parameter limit
 
 
 def _now() -> datetime:
@@ -55,7 +56,7 @@ def memory_engine() -> Engine:
     return engine
 
 
-class Store:
+class Store(contextlib.AbstractContextManager):
     """Tuning results in a database at the head revision (open it with :func:`open_store` and its
     siblings).  ``config_type`` is what stored configs become (``kvsplit.config.KernelConfig``
     above the store): a config it refuses is a row that does not parse.  ``on_damage``: rows that do not
@@ -91,9 +92,6 @@ class Store:
         """Release pooled connections (an in-memory store loses its data)."""
         self._engine.dispose()
 
-    def __enter__(self) -> Store:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -116,7 +114,7 @@ class Store:
             # A read is several statements: under PostgreSQL's READ COMMITTED each would see a new
             # snapshot and could pair one writer's winner with another's candidates.
             isolation = {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
-            bound = engine.execution_options(**({WRITE_OPTION: True} if write else isolation))
+            bound = writing(engine) if write else engine.execution_options(**isolation)
             # One in-memory connection serves every thread: transactions must not interleave.
             guard = self._memory_lock if self.in_memory else contextlib.nullcontext()
             try:
@@ -248,8 +246,7 @@ class Store:
                       else column == value for column, value in columns.items() if value is not None]
         if device is not None:
             conditions.extend(device_is(device))
-        order = (DEVICES.c.name, DEVICES.c.sm_count, BUILDS.c.build_hash, r.head_dim, r.partial_dtype, r.out_dtype,
-                 r.stats_format, r.num_splits, r.rows)
+        order = (DEVICES.c.name, DEVICES.c.sm_count, BUILDS.c.build_hash, *(r[k] for k in CHOICE_FIELDS))
         return self._records(conditions, order_by=order)
 
     def inventory(self, current_build: str | Collection[str] | None = None) -> Inventory:
@@ -298,10 +295,9 @@ class Store:
             if dry_run or not chosen:
                 return result
             keep(list(chosen.values()))  # first, inside the transaction: if it raises, nothing is deleted
-            for table in (CANDIDATES, RESULTS, BUILDS, DEVICES, CLAIMS, GENERATION):  # children first
-                ids = [row_id for t, row_id in chosen if t == table.name]
-                for start in range(0, len(ids), _CHUNK):
-                    session.execute(delete(table).where(table.c.id.in_(ids[start:start + _CHUNK])))
+            for table in reversed(TABLES):  # children first
+                for ids in chunks([row_id for t, row_id in chosen if t == table.name]):
+                    session.execute(delete(table).where(table.c.id.in_(ids)))
             return result
 
         return self.transaction(work, write=not dry_run, bump=not dry_run)
@@ -374,10 +370,18 @@ def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = T
                          f"nothing to read; give the file or server that holds the tuning results with --db / "
                          f"KVSPLIT_DB")
     # Looked at before SQLite sees it, so that a path that cannot name a file here is said to be one.
-    if target.path is not None and stat_file(target) is None and not create:
-        raise NoDatabase(f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
-                         f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
-                         f"import` do)")
+    try:
+        if target.path is not None:
+            os.stat(target.path)
+    except FileNotFoundError:
+        if not create:
+            raise NoDatabase(f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
+                             f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
+                             f"import` do)") from None
+    except OSError as exc:  # too long, a loop of links, no permission
+        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
+        raise BadTarget(f"{target.shown}: cannot use this path: {what}; check the path given with "
+                        f"--db / KVSPLIT_DB") from None
     return create_db_engine(target, timeout_s=timeout_s, pooled=pooled), target
 
 

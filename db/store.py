@@ -329,9 +329,9 @@ class Store(contextlib.AbstractContextManager):
             if found.damage and self._on_damage == "raise":
                 raise DamagedRows(self.url, found.damage)  # before the transaction commits: nothing deleted
             if found.records and not dry_run:  # rows that do not parse are left alone
-                ids = list(found.records)
-                session.execute(delete(CANDIDATES).where(CANDIDATES.c.result_id.in_(ids)))
-                session.execute(delete(RESULTS).where(RESULTS.c.id.in_(ids)))
+                for ids in chunks(list(found.records)):
+                    session.execute(delete(CANDIDATES).where(CANDIDATES.c.result_id.in_(ids)))
+                    session.execute(delete(RESULTS).where(RESULTS.c.id.in_(ids)))
                 session.execute(delete(DEVICES).where(DEVICES.c.id.not_in(select(RESULTS.c.device_id))))
                 session.execute(delete(BUILDS).where(BUILDS.c.id.not_in(select(RESULTS.c.build_id))))
             return PruneResult(keys=[r.key for r in found.records.values()], dry_run=dry_run), found.damage

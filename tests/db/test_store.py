@@ -163,6 +163,27 @@ def test_prune_with_explicit_current_build(store):
     assert [r.key.build_hash for r in store.query()] == ["build-b"]
 
 
+def test_prune_of_more_results_than_one_statement_may_bind(tmp_path):
+    # SQLite refuses a statement with more parameters than its limit (32766 by default): a prune of
+    # more results than that must still delete them all.  The limit is lowered so the test stays small.
+    sqlite3 = pytest.importorskip("sqlite3")
+    if not hasattr(sqlite3.Connection, "setlimit"):
+        pytest.skip("this Python's sqlite3 cannot lower the parameter limit")
+    limit = 600
+    with open_store(str(tmp_path / "many.sqlite"), config_type=KernelConfig) as store:
+        keep = make_record(rows=1, build_hash="build-new")
+        store.upsert_many([keep, *(make_record(rows=r) for r in range(1, 2 * limit))])
+        engine = store._engine
+        sa.event.listen(engine, "connect", lambda conn, _: conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit))
+        engine.dispose()
+        with engine.connect() as conn, pytest.raises(sa.exc.OperationalError, match="too many SQL variables"):
+            conn.execute(sa.select(sa.literal(1)).where(sa.literal(0).in_(list(range(limit + 1)))))
+        pruned = store.prune(stale_builds=True, current_build="build-new")
+        assert sorted(k.rows for k in pruned.keys) == list(range(1, 2 * limit))
+        assert store.query() == [store.get(keep.key)]
+        assert [b.build_hash for b in store_stats(store).builds] == ["build-new"]
+
+
 def test_data_survives_reopening(db_url):
     with open_store(db_url) as s:
         s.upsert(make_record())

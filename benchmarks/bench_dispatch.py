@@ -23,7 +23,7 @@ import time
 import torch
 
 import kvsplit
-from kvsplit import _kernel, _native, merge
+from kvsplit import _kernel, merge
 from kvsplit.autotune.timing import spin_up_gpu, time_cuda_graphs
 from kvsplit.dispatch.constraints import valid_configs
 from kvsplit.dispatch.device import device_facts

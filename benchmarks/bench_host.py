@@ -113,7 +113,7 @@ def adapter_calls(device: str) -> dict:
 
     po, so = t(tokens, heads, head_dim), t(tokens, heads, head_dim)
     pl, sl = t(heads, tokens, dtype=torch.float32), t(heads, tokens, dtype=torch.float32)
-    out, out_lse = torch.empty_like(po), torch.empty_like(pl)
+    out = torch.empty_like(po)
     s_a, s_b = pl.t().contiguous(), sl.t().contiguous()
     v_m, s_m = torch.empty_like(po), torch.empty_like(s_a)
     stacked_o, stacked_s = torch.stack([po, so]), torch.stack([s_a, s_b])

@@ -33,6 +33,9 @@ run_db=$KVSPLIT_DB
 # Few files come back from $OUT (8 at most): logs go to one run.log.
 LOG="$OUT/run.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >> "$LOG" 2>&1
+# The GPU as the shipped tables' names spell it ("NVIDIA H100 80GB HBM3" -> nvidia-h100).
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($1 "-" $2)}')
+gpu=${gpu:-unknown-gpu}
 
 status=0
 for stage in "${stages[@]}"; do
@@ -74,36 +77,36 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tune)
       # The benchmark grid, both stats formats and 16-bit dtypes, in a database of its own
-      # (its export holds the grid's keys alone: nvidia-h200.json).
+      # (its export holds the grid's keys alone: kvsplit/tables/$gpu.json).
       export KVSPLIT_DB=sqlite:////tmp/kvsplit-grid.sqlite
       python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
         --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee -a "$LOG" | tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      python3 -P -m kvsplit db export --out "$OUT/tuned-h200.json"
+      python3 -P -m kvsplit db export --out "$OUT/$gpu.json"
       python3 -P -m kvsplit db stats 2>&1 | tee -a "$LOG"
       python3 -P -m kvsplit db list --head-dim 512 --dtype bfloat16 --stats-format maxsum >> "$LOG" 2>&1
       python3 -P -m kvsplit db plot --dtype bfloat16 --stats-format maxsum --out "$OUT/winners.png" 2>&1 | tail -2
       export KVSPLIT_DB=$run_db ;;
     tune-adapters)
       # The engine adapters' shapes (kvsplit.compat), split-major and scattered-stats keys, in
-      # a database of their own (nvidia-h200-adapters.json).
+      # a database of their own ($gpu-adapters.json).
       KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite python3 -P -m kvsplit tune \
         --head-dim 512,128 --dtype bfloat16,float32 \
         --format lse,lse:scattered --num-splits 2,16,64,264 --rows 16,128,256,1024 \
         2>&1 | tee -a "$LOG" | tail -6
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite python3 -P -m kvsplit db export \
-        --out "$OUT/tuned-h200-adapters.json" ;;
+        --out "$OUT/$gpu-adapters.json" ;;
     tune-coverage)
       # Head dims beyond the powers of two, float32 and FP8 outputs at the adapters' shapes, in a
-      # database of their own (exported for the package as nvidia-h200-coverage.json).
+      # database of their own (exported for the package as $gpu-coverage.json).
       KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit tune \
         --head-dim 80,96,192,576 --dtype bfloat16 --out-dtype same,float32,float8_e4m3fn \
         --format lse,lse:scattered --num-splits 2,16,64 --rows 16,128,1024 \
         2>&1 | tee -a "$LOG" | tail -6
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit db export \
-        --out "$OUT/tuned-h200-coverage.json" ;;
+        --out "$OUT/$gpu-coverage.json" ;;
     demo)
       # The README's main job twice on a fresh database: the second process
       # must reuse the stored choice without profiling.

@@ -10,6 +10,7 @@
 #   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
 #   Python into /tmp/kvsplit-dist. wheel: installs that wheel (or $KVSPLIT_WHEEL) into a
 #   fresh venv with pip --no-deps, no compiler on PATH, and runs the GPU tests and the demo.
+#   TUNE_TIMEOUT_S bounds each tune stage's tuner (resumable; what it stored is exported).
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite); the tune
 #   stages each write one of their own, whose export holds their grid's keys alone.
 #   Builds made elsewhere save device time: with .kvbuild/kv (and .kvbuild/ptx80) carried,
@@ -79,7 +80,7 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       # The benchmark grid, both stats formats and 16-bit dtypes, in a database of its own
       # (its export holds the grid's keys alone: kvsplit/tables/$gpu.json).
       export KVSPLIT_DB=sqlite:////tmp/kvsplit-grid.sqlite
-      python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
+      timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
         --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee -a "$LOG" | tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 -P -m kvsplit db export --out "$OUT/$gpu.json"
@@ -90,7 +91,7 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
     tune-adapters)
       # The engine adapters' shapes (kvsplit.compat), split-major and scattered-stats keys, in
       # a database of their own ($gpu-adapters.json).
-      KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite python3 -P -m kvsplit tune \
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune \
         --head-dim 512,128 --dtype bfloat16,float32 \
         --format lse,lse:scattered --num-splits 2,16,64,264 --rows 16,128,256,1024 \
         2>&1 | tee -a "$LOG" | tail -6
@@ -100,7 +101,7 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
     tune-coverage)
       # Head dims beyond the powers of two, float32 and FP8 outputs at the adapters' shapes, in a
       # database of their own (exported for the package as $gpu-coverage.json).
-      KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit tune \
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune \
         --head-dim 80,96,192,576 --dtype bfloat16 --out-dtype same,float32,float8_e4m3fn \
         --format lse,lse:scattered --num-splits 2,16,64 --rows 16,128,1024 \
         2>&1 | tee -a "$LOG" | tail -6

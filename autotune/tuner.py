@@ -92,6 +92,18 @@ def prune(configs: list[KernelConfig], key) -> list[KernelConfig]:
     return kept
 
 
+def at_shape(key, shape: tuple[int, int] | None):
+    """``key`` with the (rows, num_splits) of ``shape`` that it is profiled at, which :func:`prune`
+    then judges (``key`` itself for ``None``); ``ValueError`` past the key's own values."""
+    if shape is None:
+        return key
+    rows, num_splits = shape
+    if not (0 < rows <= key.rows and 0 < num_splits <= key.num_splits):
+        raise ValueError(f"shape (rows={rows}, num_splits={num_splits}) exceeds the key's "
+                         f"buckets (rows={key.rows}, num_splits={key.num_splits})")
+    return key.model_copy(update={"rows": rows, "num_splits": num_splits})
+
+
 def dsplit_depths(per_group: int, one_warp: bool = False) -> set[int]:
     """The round depths timed for DSplit groups of ``per_group`` partials.
 
@@ -227,12 +239,7 @@ def tune(key, device: torch.device, configs: list[KernelConfig], *, l2_state: st
     """
     is_cuda = device.type == "cuda"
     record_key = key
-    if shape is not None:
-        rows, num_splits = shape
-        if not (0 < rows <= key.rows and 0 < num_splits <= key.num_splits):
-            raise ValueError(f"shape (rows={rows}, num_splits={num_splits}) exceeds the key's "
-                             f"buckets (rows={key.rows}, num_splits={key.num_splits})")
-        key = key.model_copy(update={"rows": rows, "num_splits": num_splits})
+    key = at_shape(key, shape)
     configs = prune(configs, key) if pruned and is_cuda else list(configs)
     if BASELINE not in configs:
         configs.insert(0, BASELINE)

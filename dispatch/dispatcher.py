@@ -480,8 +480,8 @@ def _untimed_families(facts: DeviceFacts, key, shape: tuple[int, int]) -> set[st
     from ..autotune import tuner  # the tuner's pruning decides what it would time
 
     configs = configs_for_key(key, is_cuda=facts.is_cuda, shape=shape)
-    if facts.is_cuda:
-        configs = tuner.prune(configs, key)
+    if facts.is_cuda:  # judged at the call's shape, as tuner.tune prunes
+        configs = tuner.prune(configs, tuner.at_shape(key, shape))
     return {config.family for config in configs} - timed
 
 

@@ -289,6 +289,29 @@ def test_a_shipped_record_that_never_timed_a_family_is_profiled_again_in_auto(
         assert chosen == KernelConfig.kvsplit(2)
 
 
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_a_shipped_record_is_judged_at_the_calls_shape_as_the_tuner_prunes_there(
+        monkeypatch, shipped_tables, tuner_calls, num_splits):
+    """A key of N bucket 4 tuned at 2 states timed what the tuner times there (no DSplit: one
+    group a row is its sweet spot). A call of 2 states takes the record in ``auto``; a call of
+    4, where the tuner would time DSplit too, profiles the key."""
+    gpu = DeviceFacts("Simulated GPU", 9, 0, 132, True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nothing is capturing
+    monkeypatch.setenv("KVSPLIT_MODE", "auto")
+    key = tuning_key(gpu, "shipped-elsewhere", 80, "bfloat16", "bfloat16", "maxsum", 4, 16)
+    configs = [KernelConfig.few(2), KernelConfig.kvsplit(1), KernelConfig.few(1), KernelConfig.few(4)]
+    (shipped_tables / "simulated.json").write_text(dump_export(make_export([_shipped_record(key, configs)])))
+    shape = (80, torch.bfloat16, torch.bfloat16, 0, num_splits, 16)
+    the_dispatcher = dispatch_module.dispatcher
+    chosen, _ = the_dispatcher.choose_config(gpu, torch.device("cpu"), *shape, None)
+    decision = the_dispatcher.explain(gpu, *shape)
+    if num_splits == 2:
+        assert (decision.source, chosen, tuner_calls.keys) == ("shipped", KernelConfig.few(2), [])
+    else:
+        assert decision.source == "tuned" and len(tuner_calls.keys) == 1
+        assert dispatch_module._untimed_families(gpu, key, (16, 4)) == {DSPLIT}
+
+
 def test_during_capture_a_shipped_record_that_never_timed_a_family_serves_and_leaves_the_key_pending(
         monkeypatch, shipped_tables, tuner_calls, isolated):
     """In ``auto``, while a stream captures: such a record's winner serves instead of the heuristic,

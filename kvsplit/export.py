@@ -232,7 +232,7 @@ def read_export(source: str | bytes | Path) -> list[TuningRecord]:
     """The records of a validated export (see :func:`parse_export`).
 
     Also reads the tables shipped inside the package, e.g.
-    ``read_export(importlib.resources.files("kvsplit").joinpath("tables/h200.json").read_text())``.
+    ``read_export(importlib.resources.files("kvsplit").joinpath("tables/nvidia-h200.json").read_text())``.
     """
     return parse_export(source).records
 

@@ -482,8 +482,8 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
 @pytest.mark.parametrize("mode", ["auto", "cached"])
 def test_a_gpu_without_a_shipped_table_profiles_in_auto_and_takes_the_heuristic_in_cached(
         monkeypatch, tuner_calls, mode):
-    """An A100 (simulated; the profile runs on the CPU): the package ships tables for the H100 and H200
-    only, so ``auto`` profiles the key at first use and ``cached`` never profiles."""
+    """An A100 (simulated; the profile runs on the CPU): the package ships tables for the H100
+    and the H200 only, so ``auto`` profiles the key at first use and ``cached`` never profiles."""
     a100 = DeviceFacts("NVIDIA A100-SXM4-80GB", 8, 0, 108, True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nothing is capturing
     monkeypatch.setenv("KVSPLIT_MODE", mode)

@@ -10,7 +10,11 @@ the merged LSE returned as the adapter returns it: "NAME plain"), and the
 plain split-major ``kvsplit.merge_lse`` (partials (N, rows, D), LSE (N,
 rows), same dtypes, the dispatcher's config) with and without exporting
 the merged LSE are captured into CUDA graphs and replayed in turns,
-L2-warm; microseconds per launch, median. The first table's ratios are each
+L2-warm; microseconds per launch. One call's time moves by a few per cent
+from one capture to the next (where its buffers land), so every shape is
+captured ``--captures`` times (in alternating order) and each call's time
+is the median over the captures of its median; the largest spread of one
+call's per-capture medians is printed. The first table's ratios are each
 adapter over the plain API on its tensors (what the adapter's layer costs);
 the second's over split-major "+lse" (what the engine's layout costs).
 Two-state adapters (FlashInfer merge_state and merge_state_in_place, vLLM)
@@ -25,6 +29,7 @@ import argparse
 import json
 import math
 import pathlib
+import statistics
 import time
 
 import torch
@@ -91,6 +96,7 @@ def _launches(tokens: int, heads: int, head_dim: int, n: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
+    parser.add_argument("--captures", type=int, default=3, help="captures of each shape")
     args = parser.parse_args()
     spin_up_gpu()
     start, results = time.monotonic(), []
@@ -103,18 +109,25 @@ def main() -> None:
                 for launch in launches.values():  # first use: tuning, launches
                     launch(0)
                 torch.cuda.synchronize()
-                times = time_cuda_graphs(launches, batch=32, replays=31)
+                captured = []
+                for capture in range(args.captures):
+                    order = list(launches.items())[::-1 if capture % 2 else 1]
+                    times = time_cuda_graphs(dict(order), batch=32, replays=31)
+                    captured.append({name: t.median_us for name, t in times.items()})
+                us = {name: statistics.median(c[name] for c in captured) for name in launches}
+                spread = {name: max(c[name] for c in captured) / min(c[name] for c in captured)
+                          for name in launches}
                 results.append({"head_dim": head_dim, "num_splits": n, "tokens": tokens,
-                                "heads": heads,
-                                "us": {name: t.median_us for name, t in times.items()}})
-                print(head_dim, n, tokens, heads,
-                      {k: round(t.median_us, 2) for k, t in times.items()}, flush=True)
+                                "heads": heads, "us": us, "captures": captured, "spread": spread})
+                print(head_dim, n, tokens, heads, {k: round(t, 2) for k, t in us.items()}, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adapters.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                         "results": results}, indent=1))
     print(plain_table(results))
     print()
     print(table(results))
+    print()
+    print(spread_line(results))
 
 
 def plain_table(results) -> str:
@@ -168,6 +181,18 @@ def table(results) -> str:
         f"{a} {w:.3f}" for a, w in worst.items()) + " (every adapter returns the merged LSE, "
         "as the +lse baseline does; flash_attn.combine against fp32 split-major partials)")
     return "\n".join(lines)
+
+
+def spread_line(results) -> str:
+    """The largest spread of one call's per-capture medians: ratios inside it are not resolved."""
+    spreads = [(value, name, r) for r in results for name, value in r.get("spread", {}).items()]
+    if not spreads:
+        return "One capture a shape: no spread measured."
+    value, name, r = max(spreads, key=lambda item: item[0])
+    captures = len(r["captures"])
+    return (f"Largest spread of one call over {captures} captures: {value:.3f} ({name} at D {r['head_dim']}, "
+            f"N {r['num_splits']}, {r['tokens']}x{r['heads']}); median spread "
+            f"{statistics.median(v for v, _, _ in spreads):.3f}")
 
 
 if __name__ == "__main__":

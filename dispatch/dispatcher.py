@@ -459,7 +459,8 @@ def _shipped_table(facts: DeviceFacts) -> _ShippedTable:
         table = _ShippedTable()
         info = device_info(facts)
         folder = resources.files("kvsplit").joinpath("tables")
-        for entry in folder.iterdir() if folder.is_dir() else ():
+        # Files in name order: a key that two files hold takes the later file's winner.
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name) if folder.is_dir() else ():
             if entry.name.endswith(".json"):
                 for record in read_export(entry.read_text()):
                     if record.key.device == info:
@@ -467,6 +468,14 @@ def _shipped_table(facts: DeviceFacts) -> _ShippedTable:
                         table.timed[record.key.choice_key] = frozenset(c.config.family for c in record.candidates)
         _SHIPPED[facts] = table
     return table
+
+
+def shipped_summary(facts: DeviceFacts) -> str:
+    """One line on the tables shipped for this GPU (``kvsplit info``)."""
+    table = _shipped_table(facts)
+    if not table:
+        return "none for this GPU: mode auto profiles each shape at its first call"
+    return f"{len(table)} keys for this GPU (kvsplit/tables)"
 
 
 def _untimed_families(facts: DeviceFacts, key, shape: tuple[int, int]) -> set[str]:

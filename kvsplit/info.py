@@ -56,7 +56,8 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
 
     from . import _kernel
     from .dispatch import InvalidSetting
-    from .dispatch.dispatcher import read_settings
+    from .dispatch.device import device_facts
+    from .dispatch.dispatcher import read_settings, shipped_summary
     from .dispatch.refresh import refresh_interval
 
     ext = _native.ext()
@@ -87,6 +88,7 @@ def collect(db_url: str | None = None) -> tuple[dict[str, str], int]:
                 facts["kernels on this device"] = "yes"
             except RuntimeError as error:
                 facts["kernels on this device"] = f"no — {error}"
+            facts["shipped table"] = shipped_summary(device_facts(torch.device("cuda", index)))
     else:
         facts["device"] = "cpu (no CUDA device visible)"
     environ = os.environ

@@ -99,6 +99,8 @@ def test_info_json(env):
         assert facts["cuda kernels"] == f"no — {NO_CUDA_KERNELS}"
         assert "binary wheel" in facts["cuda kernels"] and "nvcc" in facts["cuda kernels"]
     assert facts["per-call path"].startswith("binding") == _kernel.FAST_CALL
+    # On a GPU with the kernels: what kvsplit/tables holds for it.
+    assert ("shipped table" in facts) == (torch.cuda.is_available() and has_cuda_kernels())
 
 
 def test_info_shows_the_database_and_the_dispatch_mode(env, monkeypatch):

@@ -95,3 +95,10 @@ def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
                                       num_splits=132, sm_count=132, max_split=2)
     assert capped.kv_split <= 2
     fresh.forget()
+
+
+def test_info_says_how_many_keys_ship_for_the_gpu():
+    # 240 + 128 + 216 records, 12 keys of the grid and the adapters' shapes shared.
+    assert dispatch_module.shipped_summary(H100) == "572 keys for this GPU (kvsplit/tables)"
+    assert dispatch_module.shipped_summary(DeviceFacts("NVIDIA A100-SXM4-80GB", 8, 0, 108, True)) == (
+        "none for this GPU: mode auto profiles each shape at its first call")

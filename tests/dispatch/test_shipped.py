@@ -42,17 +42,19 @@ def test_each_shipped_gpu_has_the_benchmark_grid_and_the_adapter_shapes(gpu):
                 assert (576, "bfloat16", "float8_e4m3fn", fmt, num_splits, rows) in table
 
 
-def test_the_h100_tables_serve_auto_at_the_shapes_they_were_tuned_at():
+@pytest.mark.parametrize("gpu", [H100, H200], ids=["h100", "h200"])
+def test_the_tables_serve_auto_at_the_shapes_they_were_tuned_at(gpu):
     """They were tuned with every present family, Few included: at the grid's own shapes (a key of
     N bucket 4 was profiled at 2 states) ``auto`` takes their winners without profiling."""
     grid_n = {4: 2, 144: 132, 288: 264}
-    records = [r for path in sorted(TABLES.glob("nvidia-h100*.json")) for r in read_export(path.read_text())]
+    prefix = "nvidia-h100" if gpu is H100 else "nvidia-h200"
+    records = [r for path in sorted(TABLES.glob(f"{prefix}*.json")) for r in read_export(path.read_text())]
     assert len(records) == 240 + 128 + 216
     assert sum(r.winner.family == "few" for r in records) > 200
     for record in records:
         key = record.key
         shape = (key.rows, grid_n.get(key.num_splits, key.num_splits))
-        assert dispatch_module._untimed_families(H100, key, shape) == set(), key.shape_label
+        assert dispatch_module._untimed_families(gpu, key, shape) == set(), key.shape_label
 
 
 @SHIPPED_GPUS
@@ -99,6 +101,7 @@ def test_cached_mode_uses_the_shipped_choice(monkeypatch, tmp_path):
 
 def test_info_says_how_many_keys_ship_for_the_gpu():
     # 240 + 128 + 216 records, 12 keys of the grid and the adapters' shapes shared.
-    assert dispatch_module.shipped_summary(H100) == "572 keys for this GPU (kvsplit/tables)"
+    for gpu in (H100, H200):
+        assert dispatch_module.shipped_summary(gpu) == "572 keys for this GPU (kvsplit/tables)"
     assert dispatch_module.shipped_summary(DeviceFacts("NVIDIA A100-SXM4-80GB", 8, 0, 108, True)) == (
         "none for this GPU: mode auto profiles each shape at its first call")

@@ -185,9 +185,9 @@ def table(results) -> str:
 
 def spread_line(results) -> str:
     """The largest spread of one call's per-capture medians: ratios inside it are not resolved."""
-    spreads = [(value, name, r) for r in results for name, value in r.get("spread", {}).items()]
+    spreads = [(value, name, r) for r in results for name, value in r["spread"].items()]
     if not spreads:
-        return "One capture a shape: no spread measured."
+        return "No shape timed."
     value, name, r = max(spreads, key=lambda item: item[0])
     captures = len(r["captures"])
     return (f"Largest spread of one call over {captures} captures: {value:.3f} ({name} at D {r['head_dim']}, "

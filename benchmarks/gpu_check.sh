@@ -3,7 +3,7 @@
 # and the benchmarks, and leave every log under $OUT.
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
 #   stages: build tests all-tests few-tests bench bench_few lab_few tune tune-adapters
-#   tune-coverage demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
+#   tune-coverage against-base demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
 #   (or benchmarks/lab/NAME.py)
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
 #   ptx80: a build whose only CUDA code is PTX for compute_80 (the driver compiles it for
@@ -108,6 +108,28 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit db export \
         --out "$OUT/$gpu-coverage.json" ;;
+    against-base)
+      # This build against another one's extension (carry it as .kvbuild/base/_ext*.so, e.g.
+      # a build of the last commit): the same grid tuned BASE_PASSES times with each, the
+      # builds alternating, then every candidate's time compared (compare_records.py).
+      base_ext=$(ls .kvbuild/base/_ext*.so 2>/dev/null | head -1)
+      [ -n "$base_ext" ] || { echo "against-base: no .kvbuild/base/_ext*.so" | tee -a "$LOG"; status=1; continue; }
+      rm -rf /tmp/kv-base && cp -r /tmp/kv /tmp/kv-base && cp "$base_ext" /tmp/kv-base/kvsplit/
+      for pass in $(seq "${BASE_PASSES:-3}"); do
+        for build in base new; do
+          tree=/tmp/kv; [ $build = base ] && tree=/tmp/kv-base
+          db=sqlite:////tmp/kvsplit-$build-$pass.sqlite
+          rm -f "/tmp/kvsplit-$build-$pass.sqlite"
+          PYTHONPATH=$tree:/tmp/site KVSPLIT_DB=$db python3 -P -m kvsplit tune \
+            ${BASE_GRID:---head-dim 128,512 --dtype bfloat16 --format maxsum,lse --num-splits 16,32,64,132 --rows 32,64,128,256,2048} \
+            > /tmp/kvsplit-$build-$pass.log 2>&1 || { tail -5 /tmp/kvsplit-$build-$pass.log | tee -a "$LOG"; status=1; }
+          PYTHONPATH=$tree:/tmp/site KVSPLIT_DB=$db python3 -P -m kvsplit db export \
+            --out /tmp/against-$build-$pass.json > /dev/null
+        done
+      done
+      PYTHONPATH=/tmp/kv-base:/tmp/site python3 -P -c "import kvsplit._ext as e; print('base build', e.cuda_build_hash)" | tee -a "$LOG"
+      python3 -P benchmarks/compare_records.py --base /tmp/against-base-*.json --new /tmp/against-new-*.json \
+        2>&1 | tee -a "$LOG" "$OUT/against_base.md" ;;
     demo)
       # The README's main job twice on a fresh database: the second process
       # must reuse the stored choice without profiling.

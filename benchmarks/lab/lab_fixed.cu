@@ -338,7 +338,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 2: bare_kernel<true><<<grid, block, 0, stream>>>(small); break;
     case 3: bigp_kernel<<<grid, block, 0, stream>>>(p, geo); break;
     case 4: any_kernel<<<grid, block, 0, stream>>>(p, geo); break;
-    case 5: few_kernel<DType::kBFloat16, StatsFormat::kLse, 2, 1><<<grid, block, 0, stream>>>(p, geo); break;
+    case 5: few_kernel<DType::kBFloat16, StatsFormat::kLse, 2, 1><<<grid, block, 0, stream>>>(geo, p); break;
     case 7: case 8: case 9: case 10: case 11: {
       const int bytes[] = {16, 8, 4, 16, 8};
       if (launch_hand(p, bytes[variant - 7], variant >= 10, sm_count, stream) != 0) return -1;

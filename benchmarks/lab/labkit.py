@@ -33,24 +33,26 @@ class Params(ctypes.Structure):
     pass_through_tokens would pass every row through; tests/test_lab_params.py
     holds the layout to the compiler's)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("partial_o", "stats", "split_counts", "sinks", "out", "out_stats",
-                 "row_mask", "indptr", "out_scale", "group_scales", "request_starts",
-                 "request_ops")] + \
-               [(name, ctypes.c_int32) for name in
-                ("head_dim", "partial_dtype", "out_dtype", "stats_format")] + \
-               [(name, ctypes.c_int64) for name in ("num_splits", "rows", "heads", "seqlen",
-                                                    "o_stride_split")] + \
-               [("o_row", RowStrides), ("stats_stride_split", ctypes.c_int64),
-                ("stats_row", RowStrides), ("out_row", RowStrides),
-                ("out_stats_row", RowStrides), ("row_mask_stride", ctypes.c_int64),
+    _fields_ = [("partial_o", ctypes.c_void_p), ("stats", ctypes.c_void_p),
+                ("out_scale", ctypes.c_void_p), ("o_stride_split", ctypes.c_int64),
+                ("stats_stride_split", ctypes.c_int64), ("o_row", RowStrides),
+                ("stats_row", RowStrides), ("num_splits", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("head_dim", ctypes.c_int32)] + \
+               [(name, ctypes.c_float) for name in ("log2_scale", "empty_stat", "export_scale")] + \
+               [("out", ctypes.c_void_p), ("out_stats", ctypes.c_void_p), ("out_row", RowStrides),
+                ("out_stats_row", RowStrides), ("sinks", ctypes.c_void_p)] + \
+               [(name, ctypes.c_int32) for name in ("partial_dtype", "out_dtype", "stats_format")] + \
+               [(name, ctypes.c_bool) for name in ("flat_rows", "stats_in_place", "indptr_int64",
+                                                   "pair_stats")] + \
+               [("heads", ctypes.c_int64), ("seqlen", ctypes.c_int64),
+                ("split_counts", ctypes.c_void_p), ("row_mask", ctypes.c_void_p),
+                ("row_mask_stride", ctypes.c_int64), ("indptr", ctypes.c_void_p),
                 ("pass_through_tokens", ctypes.c_int64), ("pass_through_split", ctypes.c_int32),
-                ("quant_group", ctypes.c_int32), ("group_scales_row", RowStrides),
-                ("group_scales_stride", ctypes.c_int64), ("group_scales_dtype", ctypes.c_int32),
-                ("scale_ue8m0", ctypes.c_bool), ("indptr_int64", ctypes.c_bool),
-                ("num_requests", ctypes.c_int64), ("pair_stats", ctypes.c_bool)] + \
-               [(name, ctypes.c_float) for name in ("log2_scale", "export_scale", "empty_stat")] + \
-               [("stats_in_place", ctypes.c_bool), ("flat_rows", ctypes.c_bool)]
+                ("quant_group", ctypes.c_int32), ("group_scales", ctypes.c_void_p),
+                ("group_scales_row", RowStrides), ("group_scales_stride", ctypes.c_int64),
+                ("group_scales_dtype", ctypes.c_int32), ("scale_ue8m0", ctypes.c_bool),
+                ("request_starts", ctypes.c_void_p), ("request_ops", ctypes.c_void_p),
+                ("num_requests", ctypes.c_int64)]
 
     DEFAULTS = {"heads": 1, "seqlen": 1, "row_mask_stride": 1, "pass_through_tokens": 2**63 - 1,
                 "group_scales_stride": 1, "group_scales_dtype": 2, "log2_scale": 1.0,

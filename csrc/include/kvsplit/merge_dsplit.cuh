@@ -110,7 +110,7 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 // one multiply-add and a stat goes into the merge as loaded.
 template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain>
 __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPlain>)
-    dsplit_kernel(const MergeParams p, const DsplitGeometry geo) {
+    dsplit_kernel(const DsplitGeometry geo, const MergeParams p) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
   using Partial = typename CudaType<kPartial>::type;
   using Index = std::conditional_t<kPlain && KVSPLIT_DSPLIT_INDEX32, int32_t, int64_t>;
@@ -259,10 +259,10 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
   const bool plain = dsplit_plain(p, geo);
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
     error = plain ? cudaLaunchKernelEx(&launch.config,
-                                       dsplit_kernel<kPartial, kFormat, kDepth, true>, p, geo)
+                                       dsplit_kernel<kPartial, kFormat, kDepth, true>, geo, p)
                   : cudaLaunchKernelEx(&launch.config,
-                                       dsplit_kernel<kPartial, kFormat, kDepth, false>, p,
-                                       geo);
+                                       dsplit_kernel<kPartial, kFormat, kDepth, false>, geo,
+                                       p);
   })
   return error != cudaSuccess ? fail(Error::kCuda, error) : status;
 }

@@ -99,7 +99,7 @@ __device__ __forceinline__ void merge_few_round(MergeState<kElems>& state,
 // 71, 128 to 193) and cost a 32768-row pass 15 %.
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, bool kRequests = false>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
-    few_kernel(const MergeParams p, const FewGeometry geo) {
+    few_kernel(const FewGeometry geo, const MergeParams p) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
   using Partial = typename CudaType<kPartial>::type;
@@ -533,13 +533,13 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
         if (requests) {
           if constexpr (kFormat == StatsFormat::kLse && kDepth == 2) {
             error = cudaLaunchKernelEx(&launch.config,
-                                       few_kernel<kPartial, kFormat, 2, kVectors, true>, p, geo);
+                                       few_kernel<kPartial, kFormat, 2, kVectors, true>, geo, p);
           } else {
             status = fail(Error::kSplitRange, p.num_splits);
           }
         } else if (!is_lean) {
           error = cudaLaunchKernelEx(&launch.config,
-                                     few_kernel<kPartial, kFormat, kDepth, kVectors>, p, geo);
+                                     few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
           // One instance per output dtype, indexed by its code: the four
           // that check_problem admits but e4m3fnuz, which few_lean_rows sends

@@ -30,7 +30,7 @@ constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
 // K serves every head dim.
 template <DType kPartial, StatsFormat kFormat, int kKvSplit>
 __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
-    merge_kernel(const MergeParams p, int64_t num_bands, int threads_per_row, int rows_per_band) {
+    merge_kernel(int64_t num_bands, int threads_per_row, int rows_per_band, const MergeParams p) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
   constexpr int kGroupThreads = kThreadsPerCta / kKvSplit;
   // Groups 1..K-1 park (m, l) and acc[kVec] here for group 0; acc is stored
@@ -152,8 +152,8 @@ cudaError_t launch_kvsplit_config(const MergeParams& p, int sm_count, bool pdl, 
   const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
   PdlLaunch launch(static_cast<unsigned>(num_bands < grid_cap ? num_bands : grid_cap),
                    kThreadsPerCta, 0, stream, pdl);
-  return cudaLaunchKernelEx(&launch.config, merge_kernel<kPartial, kFormat, kKvSplit>, p,
-                            num_bands, threads_per_row, rows_per_band);
+  return cudaLaunchKernelEx(&launch.config, merge_kernel<kPartial, kFormat, kKvSplit>,
+                            num_bands, threads_per_row, rows_per_band, p);
 }
 
 // Launches a checked KvSplit config (check_config) on rows > 0.

@@ -33,28 +33,90 @@ struct RowStrides {
   }
 };
 
+// Fields in the order the kernels first read them. A kernel reads its
+// parameters from the constant bank, and a launch's first reads of it miss:
+// the fewer and closer the fields that its first loads wait for, the sooner
+// they issue (fields spread over a larger block cost the Few kernel 0.3 us a
+// launch: design.md). The plain kernels' loads wait for the fields up to
+// empty_stat, their epilogue reads those up to seqlen, the general kernels'
+// row options follow, and the rest is read only by the calls that use it.
 struct MergeParams {
   const void* partial_o = nullptr;       // (num_splits, rows..., head_dim), unit stride on head_dim
   const float* stats = nullptr;          // maxsum: (num_splits, rows..., 2); lse: (num_splits, rows...)
-  const int32_t* split_counts = nullptr; // (rows,) row-major, or null: every row has num_splits partials
-  const float* sinks = nullptr;          // (heads,) natural-log logits, or null
+  // FP8 outputs: out = fp8(clamp(value / scale)) with the scale *out_scale
+  // (per tensor), or per group of quant_group head-dim elements (below).
+  // Null: no scale (1).
+  const float* out_scale = nullptr;
+  int64_t o_stride_split = 0;            // in elements
+  int64_t stats_stride_split = 0;        // in floats
+  RowStrides o_row;
+  RowStrides stats_row;
+  int64_t num_splits = 0;
+  int64_t rows = 0;
+  int32_t head_dim = 0;
+  // Multiplies a stat into the base-2 domain of merge_math.h:
+  // maxsum: scale_log2; lse: 1 (base 2) or log2(e) (base e).
+  float log2_scale = 1.f;
+  // A raw stat (max or lse) equal to this reads as an empty split: +inf for
+  // vLLM (FlashAttention 2 writes +inf for an empty sequence). NaN: none,
+  // since NaN equals nothing.
+  float empty_stat = __builtin_nanf("");
+  // Multiplies a base-2 result back into the exported unit:
+  // maxsum: ln 2 (the max is exported as scale_log2 * M / log2 e);
+  // lse: 1 (base 2) or ln 2 (base e).
+  float export_scale = 1.f;
   void* out = nullptr;                   // (rows..., head_dim), unit stride on head_dim
   float* out_stats = nullptr;            // maxsum: (rows..., 2); lse: (rows...); or null
+  RowStrides out_row;                    // in elements
+  RowStrides out_stats_row;              // in floats (a maxsum pair is two adjacent floats)
+  const float* sinks = nullptr;          // (heads,) natural-log logits, or null
+  DType partial_dtype = DType::kBFloat16;
+  DType out_dtype = DType::kBFloat16;
+  StatsFormat stats_format = StatsFormat::kMaxSum;
+  // Set by the launchers (flatten_rows), never by callers: in every tensor row r
+  // starts at r * stride, each RowStrides holds {0, 0, stride}, and rows are
+  // addressed by their index alone (locate_row), with no (batch, token, head)
+  // division on the way to the first load.
+  bool flat_rows = false;
+  // out_stats is split 0's stats (an in-place merge): every read of a row's
+  // stats must be done before its export, so the kernels add a barrier and
+  // a row must not span CTAs (DSplit slices 1).
+  bool stats_in_place = false;
+  bool indptr_int64 = false;
+  // LSE stats held as (max, sum) pairs of normalised partials (TensorRT-LLM):
+  // a state's LSE is max + ln(sum), read from the pair; a merged row exports
+  // (LSE, 1), a pass-through row its pair as it is. Few family only.
+  bool pair_stats = false;
+  int64_t heads = 1;               // sink of a row is sinks[head]
+  int64_t seqlen = 1;              // tokens per batch
+
+  const int32_t* split_counts = nullptr; // (rows,) row-major, or null: every row has num_splits partials
   // (batch * seqlen + token) * row_mask_stride -> 0: the row is neither read
   // nor written (FlashInfer's merge_state_in_place mask); null: every row.
   const uint8_t* row_mask = nullptr;
+  int64_t row_mask_stride = 1;
   // Variable-length states: the splits of the row at (batch * seqlen + token)
   // = t are indptr[t] .. indptr[t + 1] - 1 (read on the device), addressed
   // from split 0 with o_stride_split / stats_stride_split; null: 0 .. num_splits - 1.
   // int32, or int64 with indptr_int64.
   const void* indptr = nullptr;
-  // FP8 outputs: out = fp8(clamp(value / scale)) with the scale *out_scale
-  // (per tensor), or per group of quant_group head-dim elements: the kernel
-  // takes scale = max(amax, eps) / fp8 max of the group (rounded up to a power
-  // of two with ue8m0) and writes it to group_scales (float32, or one ue8m0
-  // byte). Null: no scale (1).
-  const float* out_scale = nullptr;
+  // Rows whose (batch * seqlen + token) is at least this take split
+  // pass_through_split alone (vLLM's prefill_tokens_with_context): output and
+  // stats as they are. The default: every row merges.
+  int64_t pass_through_tokens = INT64_MAX;
+  int32_t pass_through_split = 0;
+
+  // Per-group FP8 scales: the kernel takes scale = max(amax, eps) / fp8 max
+  // of each group of quant_group head-dim elements (QuantGroups; rounded up
+  // to a power of two with ue8m0) and writes it to group_scales (float32, or
+  // one ue8m0 byte), whose strides over (batch, token, head) and from one
+  // group to the next (in scales) follow. Null: none.
+  int32_t quant_group = 0;
   void* group_scales = nullptr;
+  RowStrides group_scales_row;
+  int64_t group_scales_stride = 1;
+  DType group_scales_dtype = DType::kFloat32;
+  bool scale_ue8m0 = false;
   // Per-request ops (TensorRT-LLM's chunked MLA merge): request r owns the
   // tokens (batch * seqlen + token) request_starts[r] .. request_starts[r + 1]
   // - 1 (int64, num_requests + 1 of them, read on the device), and
@@ -63,64 +125,7 @@ struct MergeParams {
   // Tokens outside every request are left as they are. Null: every row merges.
   const int64_t* request_starts = nullptr;
   const int64_t* request_ops = nullptr;
-
-  int32_t head_dim = 0;
-  DType partial_dtype = DType::kBFloat16;
-  DType out_dtype = DType::kBFloat16;
-  StatsFormat stats_format = StatsFormat::kMaxSum;
-
-  int64_t num_splits = 0;
-  int64_t rows = 0;
-  int64_t heads = 1;               // sink of a row is sinks[head]
-  int64_t seqlen = 1;              // tokens per batch
-  int64_t o_stride_split = 0;      // in elements
-  RowStrides o_row;
-  int64_t stats_stride_split = 0;  // in floats
-  RowStrides stats_row;
-  RowStrides out_row;              // in elements
-  RowStrides out_stats_row;        // in floats (a maxsum pair is two adjacent floats)
-  int64_t row_mask_stride = 1;
-  // Rows whose (batch * seqlen + token) is at least this take split
-  // pass_through_split alone (vLLM's prefill_tokens_with_context): output and
-  // stats as they are. The default: every row merges.
-  int64_t pass_through_tokens = INT64_MAX;
-  int32_t pass_through_split = 0;
-  // Per-group FP8 scales (group_scales): elements per group (QuantGroups),
-  // the scales' strides over (batch, token, head) and from one group to the
-  // next (in scales), their dtype (float32 or kFloat8E8M0FNU) and whether a
-  // float32 scale is rounded up to a power of two.
-  int32_t quant_group = 0;
-  RowStrides group_scales_row;
-  int64_t group_scales_stride = 1;
-  DType group_scales_dtype = DType::kFloat32;
-  bool scale_ue8m0 = false;
-  bool indptr_int64 = false;
   int64_t num_requests = 0;
-  // LSE stats held as (max, sum) pairs of normalised partials (TensorRT-LLM):
-  // a state's LSE is max + ln(sum), read from the pair; a merged row exports
-  // (LSE, 1), a pass-through row its pair as it is. Few family only.
-  bool pair_stats = false;
-
-  // Multiplies a stat into the base-2 domain of merge_math.h:
-  // maxsum: scale_log2; lse: 1 (base 2) or log2(e) (base e).
-  float log2_scale = 1.f;
-  // Multiplies a base-2 result back into the exported unit:
-  // maxsum: ln 2 (the max is exported as scale_log2 * M / log2 e);
-  // lse: 1 (base 2) or ln 2 (base e).
-  float export_scale = 1.f;
-  // A raw stat (max or lse) equal to this reads as an empty split: +inf for
-  // vLLM (FlashAttention 2 writes +inf for an empty sequence). NaN: none,
-  // since NaN equals nothing.
-  float empty_stat = __builtin_nanf("");
-  // out_stats is split 0's stats (an in-place merge): every read of a row's
-  // stats must be done before its export, so the kernels add a barrier and
-  // a row must not span CTAs (DSplit slices 1).
-  bool stats_in_place = false;
-  // Set by the launchers (flatten_rows), never by callers: in every tensor row r
-  // starts at r * stride, each RowStrides holds {0, 0, stride}, and rows are
-  // addressed by their index alone (locate_row), with no (batch, token, head)
-  // division on the way to the first load.
-  bool flat_rows = false;
 };
 
 // Splits a row index into (batch, token, head); 32-bit division when it fits

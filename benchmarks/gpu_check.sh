@@ -109,12 +109,15 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit db export \
         --out "$OUT/$gpu-coverage.json" ;;
     against-base)
-      # This build against another one's extension (carry it as .kvbuild/base/_ext*.so, e.g.
-      # a build of the last commit): the same grid tuned BASE_PASSES times with each, the
-      # builds alternating, then every candidate's time compared (compare_records.py).
-      base_ext=$(ls .kvbuild/base/_ext*.so 2>/dev/null | head -1)
+      # This build against another one's extension (carry it as .kvbuild/base/_ext*.so, or
+      # .so.xz, e.g. a build of the last commit): the same grid tuned BASE_PASSES times with
+      # each, the builds alternating, then every candidate's time compared (compare_records.py).
+      base_ext=$(ls .kvbuild/base/_ext*.so .kvbuild/base/_ext*.so.xz 2>/dev/null | head -1)
       [ -n "$base_ext" ] || { echo "against-base: no .kvbuild/base/_ext*.so" | tee -a "$LOG"; status=1; continue; }
-      rm -rf /tmp/kv-base && cp -r /tmp/kv /tmp/kv-base && cp "$base_ext" /tmp/kv-base/kvsplit/
+      rm -rf /tmp/kv-base && cp -r /tmp/kv /tmp/kv-base
+      python3 -c "import lzma, shutil, sys; src, dst = sys.argv[1:]; \
+shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open(dst, 'wb'))" \
+        "$base_ext" "/tmp/kv-base/kvsplit/$(basename "${base_ext%.xz}")" || { status=1; continue; }
       for pass in $(seq "${BASE_PASSES:-3}"); do
         for build in base new; do
           tree=/tmp/kv; [ $build = base ] && tree=/tmp/kv-base

@@ -109,15 +109,25 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite python3 -P -m kvsplit db export \
         --out "$OUT/$gpu-coverage.json" ;;
     against-base)
-      # This build against another one's extension (carry it as .kvbuild/base/_ext*.so, or
-      # .so.xz, e.g. a build of the last commit): the same grid tuned BASE_PASSES times with
-      # each, the builds alternating, then every candidate's time compared (compare_records.py).
-      base_ext=$(ls .kvbuild/base/_ext*.so .kvbuild/base/_ext*.so.xz 2>/dev/null | head -1)
-      [ -n "$base_ext" ] || { echo "against-base: no .kvbuild/base/_ext*.so" | tee -a "$LOG"; status=1; continue; }
-      rm -rf /tmp/kv-base && cp -r /tmp/kv /tmp/kv-base
-      python3 -c "import lzma, shutil, sys; src, dst = sys.argv[1:]; \
+      # This build against another: carry its extension as .kvbuild/base/_ext*.so (or .so.xz;
+      # e.g. a build of the last commit, run with this tree's Python), or a whole
+      # `pip install --target` tree of another commit as .kvbuild/base/kv.tar.xz (its own
+      # Python and tuner). The same grid is tuned BASE_PASSES times with each, the builds
+      # alternating, then every candidate timed by both is compared (compare_records.py).
+      # BASE_DIR names another folder of .kvbuild than base (its report: against_BASE_DIR.md).
+      base_dir=.kvbuild/${BASE_DIR:-base}
+      base_ext=$(ls "$base_dir"/_ext*.so "$base_dir"/_ext*.so.xz 2>/dev/null | head -1)
+      rm -rf /tmp/kv-base /tmp/against-*.json
+      if [ -f "$base_dir/kv.tar.xz" ]; then
+        mkdir -p /tmp/kv-base && tar xJf "$base_dir/kv.tar.xz" -C /tmp/kv-base || { status=1; continue; }
+      elif [ -n "$base_ext" ]; then
+        cp -r /tmp/kv /tmp/kv-base
+        python3 -c "import lzma, shutil, sys; src, dst = sys.argv[1:]; \
 shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open(dst, 'wb'))" \
-        "$base_ext" "/tmp/kv-base/kvsplit/$(basename "${base_ext%.xz}")" || { status=1; continue; }
+          "$base_ext" "/tmp/kv-base/kvsplit/$(basename "${base_ext%.xz}")" || { status=1; continue; }
+      else
+        echo "against-base: no $base_dir/_ext*.so or kv.tar.xz" | tee -a "$LOG"; status=1; continue
+      fi
       for pass in $(seq "${BASE_PASSES:-3}"); do
         for build in base new; do
           tree=/tmp/kv; [ $build = base ] && tree=/tmp/kv-base
@@ -132,7 +142,7 @@ shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open
       done
       PYTHONPATH=/tmp/kv-base:/tmp/site python3 -P -c "import kvsplit._ext as e; print('base build', e.cuda_build_hash)" | tee -a "$LOG"
       python3 -P benchmarks/compare_records.py --base /tmp/against-base-*.json --new /tmp/against-new-*.json \
-        2>&1 | tee -a "$LOG" "$OUT/against_base.md" ;;
+        2>&1 | tee -a "$LOG" "$OUT/against_${BASE_DIR:-base}.md" ;;
     demo)
       # The README's main job twice on a fresh database: the second process
       # must reuse the stored choice without profiling.

@@ -41,39 +41,43 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
-def _line(label: str, ratios: list[float]) -> str:
+def _geomean(ratios) -> float:
+    ratios = list(ratios)
+    return math.exp(statistics.fmean(map(math.log, ratios)))
+
+
+def _line(family: str, rows: int | None, ratios: list[float]) -> str:
     ratios = sorted(ratios)
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    return (f"| {label} | {len(ratios)} | {geomean:.3f} | {_quantile(ratios, 0.1):.3f} | "
-            f"{_quantile(ratios, 0.9):.3f} |")
+    return (f"| {family} | {rows or 'all'} | {len(ratios)} | {_geomean(ratios):.3f} | "
+            f"{_quantile(ratios, 0.1):.3f} | {_quantile(ratios, 0.9):.3f} |")
 
 
 def compare(base: dict, new: dict, moved: int = 8) -> list[str]:
     pairs = sorted(base.keys() & new.keys(), key=str)
     if not pairs:
         return ["no candidate was timed in both groups"]
-    groups: dict = collections.defaultdict(list)
-    best: dict = {}
+    groups: dict = collections.defaultdict(list)  # (family, rows or 0 for all rows) -> ratios
+    base_best: dict = collections.defaultdict(lambda: math.inf)
+    new_best: dict = collections.defaultdict(lambda: math.inf)
     for key, config in pairs:
         ratio = new[(key, config)] / base[(key, config)]
-        groups[(config.family, "all")].append(ratio)
-        groups[(config.family, f"rows {key.rows}")].append(ratio)
-        old_best, new_best = best.get(key, (math.inf, math.inf))
-        best[key] = (min(old_best, base[(key, config)]), min(new_best, new[(key, config)]))
+        groups[(config.family, 0)].append(ratio)
+        groups[(config.family, key.rows)].append(ratio)
+        base_best[key] = min(base_best[key], base[(key, config)])
+        new_best[key] = min(new_best[key], new[(key, config)])
     lines = ["| family | rows | candidates | new / base geomean | p10 | p90 |",
              "|---|---|---|---|---|---|"]
-    for (family, bucket), ratios in sorted(groups.items(), key=lambda item: (
-            item[0][0], item[0][1] != "all", int(item[0][1].split()[-1]) if item[0][1] != "all" else 0)):
-        lines.append(_line(f"{family} | {bucket}", ratios))
-    keys = sorted(best, key=lambda k: best[k][1] / best[k][0])
+    lines += [_line(family, rows, ratios) for (family, rows), ratios in sorted(groups.items())]
+    keys = sorted(base_best, key=lambda k: new_best[k] / base_best[k])
+    shown = keys if len(keys) <= moved else keys[:moved // 2] + keys[-(moved // 2):]
     lines += ["", f"Best candidate of each key: geomean new / base "
-              f"{math.exp(statistics.fmean(math.log(best[k][1] / best[k][0]) for k in keys)):.3f} "
-              f"over {len(keys)} keys. Moved most:", "",
+              f"{_geomean(new_best[k] / base_best[k] for k in keys):.3f} over {len(keys)} keys. "
+              f"Moved most:", "",
               "| D | dtype | format | N | rows | base us | new us | new / base |", "|---|---|---|---|---|---|---|---|"]
-    for key in keys[:moved // 2] + keys[-(moved // 2):]:
-        b, n = best[key]
-        lines.append(f"| {key.head_dim} | {key.partial_dtype} | {key.stats_format} | {key.num_splits} | {key.rows} | "
-                     f"{b:.2f} | {n:.2f} | {n / b:.3f} |")
+    for key in shown:
+        b, n = base_best[key], new_best[key]
+        lines.append(f"| {key.head_dim} | {key.partial_dtype} | {key.stats_format} | {key.num_splits} | "
+                     f"{key.rows} | {b:.2f} | {n:.2f} | {n / b:.3f} |")
     return lines
 
 

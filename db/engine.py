@@ -4,6 +4,7 @@ the engine made from it, failures named for people, and the watch on a serving p
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool, StaticPool
 from sqlalchemy.util import asbool
 
-from .schemas import StoreError
+from .schemas import NoDatabase, StoreError
 
 ENV_VAR = "KVSPLIT_DB"
 #: How long a writer waits for another process's write lock, in seconds.
@@ -163,13 +164,29 @@ def is_memory_url(url: URL) -> bool:
                                                    or url.query.get("mode") == "memory")
 
 
-def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True) -> Engine:
+def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True,
+                     create: bool = True) -> Engine:
     """An engine for ``target`` (a string is read by :func:`parse_target`), or a :class:`StoreError`.
     ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds; ``pooled``
-    false: an SQLite file's connections close after each transaction."""
+    false: an SQLite file's connections close after each transaction; ``create`` false: memory or
+    a missing file is :class:`NoDatabase`."""
     if not isinstance(target, Target):
         target = parse_target(target)
     shown, url = target.shown, target.url
+    if target.memory and not create:
+        raise NoDatabase(f"{shown}: an in-memory database starts empty in every process, so there is nothing to "
+                         f"read; give the file or server that holds the tuning results with --db / KVSPLIT_DB")
+    try:  # before SQLite sees the path, so that a path that cannot name a file here is said to be one
+        if target.path is not None:
+            os.stat(target.path)
+    except FileNotFoundError:
+        if not create:
+            raise NoDatabase(f"{shown}: no such database file; check the path given with --db / KVSPLIT_DB "
+                             f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
+                             f"import` do)") from None
+    except OSError as exc:  # too long, a loop of links, no permission
+        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
+        raise BadTarget(f"{shown}: cannot use this path: {what}; check the path given with --db / KVSPLIT_DB") from None
     try:
         if url.get_backend_name() == "sqlite":
             if target.memory:  # one shared connection: every session must see the same database

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
 import threading
 import warnings
 from collections import Counter
@@ -17,14 +15,14 @@ from sqlalchemy import Engine, delete, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from .engine import (DEFAULT_TIMEOUT_S, BadTarget, FileWatch, Target, create_db_engine, describe_error, engine_name,
+from .engine import (DEFAULT_TIMEOUT_S, FileWatch, Target, create_db_engine, describe_error, engine_name,
                      is_memory_url, parse_target, writing)
 from .migrate import ensure_schema, head_revision, restore_schema
 from .models import BUILDS, CANDIDATES, DEVICES, GENERATION, RESULTS, TABLES
 from .rows import (BUMP_GENERATION, READ_GENERATION, Damage, chunks, device_is, find_for_write, read,
                    stale_build_ids, write_record)
 from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, DeviceInfo, ImportRule, ImportSummary,
-                      KernelBuildInfo, NoDatabase, PruneResult, RepairResult, StoreError, TuningKey, TuningRecord)
+                      KernelBuildInfo, PruneResult, RepairResult, StoreError, TuningKey, TuningRecord)
 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
@@ -36,17 +34,11 @@ Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
 _WRITE_ATTEMPTS = 5
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 def _watch(target: Target | None) -> FileWatch | None:
-    if target is None or target.path is None:
-        return None
-    try:
-        return FileWatch(target.path)
-    except OSError:  # gone already: the first transaction fails and falls back to memory
-        return None
+    if target is not None and target.path is not None:
+        with contextlib.suppress(OSError):  # gone already: the first transaction fails and falls back to memory
+            return FileWatch(target.path)
+    return None
 
 
 def memory_engine() -> Engine:
@@ -158,8 +150,13 @@ class Store(contextlib.AbstractContextManager):
         with self._swap_lock:
             if self._watch is not watch:
                 return  # another thread dealt with it
-            old = self._engine
-            engine, problem = self._reopen() if reopen else (None, None)
+            old, engine, problem = self._engine, None, None
+            if reopen:
+                try:
+                    engine = create_db_engine(self._target, timeout_s=self._timeout_s, pooled=False)
+                    _guarded(engine, self._timeout_s, lambda: ensure_schema(engine))
+                except StoreError as exc:
+                    engine, problem = None, str(exc)
             if engine is not None:
                 self._watch = _watch(self._target)
                 self.reopened += 1
@@ -175,34 +172,23 @@ class Store(contextlib.AbstractContextManager):
         # mapped shared-memory index, which is what kills the process.
         old.dispose(close="immutable" not in what)
 
-    def _reopen(self) -> tuple[Engine | None, str | None]:
-        try:
-            engine = create_db_engine(self._target, timeout_s=self._timeout_s, pooled=False)
-            _guarded(engine, self._timeout_s, lambda: ensure_schema(engine))
-        except StoreError as exc:
-            return None, str(exc)
-        return engine, None
-
     def _read(self, work: Callable[[Session], tuple[T, list[Damage]]], **options: Any) -> T:
         value, damage = self.transaction(work, **{"write": False, **options})
-        self._report(damage)
-        return value
-
-    def _report(self, damage: list[Damage]) -> None:
-        if not damage:
-            return
-        if self._on_damage == "raise":
+        if damage and self._on_damage == "raise":
             raise DamagedRows(self.url, damage)
         new = [d for d in damage if d.where not in self._warned]
         if new:
             self._warned.update(d.where for d in new)
             warnings.warn(f"kvsplit skipped rows of the tuning database {DamagedRows(self.url, new)}",
                           DbWarning, stacklevel=3)
+        return value
 
     def _records(self, where: list, **options: Any) -> list[TuningRecord]:
-        found = self.transaction(lambda session: read(session, where, **options), write=False)
-        self._report(found.damage)
-        return list(found.records.values())
+        def work(session: Session) -> tuple[list[TuningRecord], list[Damage]]:
+            found = read(session, where, **options)
+            return list(found.records.values()), found.damage
+
+        return self._read(work)
 
     def upsert(self, record: TuningRecord) -> None:
         """Insert ``record``, or replace the result and candidates stored for its key (``updated_at``
@@ -214,7 +200,7 @@ class Store(contextlib.AbstractContextManager):
         records = list(records)
 
         def work(session: Session) -> None:
-            now = _now()
+            now = datetime.now(timezone.utc)
             for record in records:
                 write_record(session, record, find_for_write(session, record.key), now)
 
@@ -322,7 +308,7 @@ class Store(contextlib.AbstractContextManager):
                     raise ValueError(f"no device in the database matches {other_devices_than!r}")
                 criteria.append(RESULTS.c.device_id.not_in(keep))
             if older_than is not None:
-                criteria.append(RESULTS.c.updated_at < _now() - older_than)
+                criteria.append(RESULTS.c.updated_at < datetime.now(timezone.utc) - older_than)
             if not criteria:
                 return PruneResult(keys=[], dry_run=dry_run), []
             found = read(session, [or_(*criteria)], candidates=False)
@@ -349,7 +335,7 @@ class Store(contextlib.AbstractContextManager):
             raise ValueError("two records of one tuning key")
 
         def work(session: Session) -> ImportSummary:
-            counts, now = Counter(), _now()
+            counts, now = Counter(), datetime.now(timezone.utc)
             for record in records:
                 stored = find_for_write(session, record.key)
                 wins = rule == "replace" or (rule == "newer" and record.updated_at is not None and (
@@ -363,28 +349,6 @@ class Store(contextlib.AbstractContextManager):
         return self.transaction(work, write=not dry_run, bump=not dry_run)
 
 
-def _engine(url: str | None, timeout_s: float, *, create: bool, pooled: bool = True) -> tuple[Engine, Target]:
-    target = parse_target(url)
-    if target.memory and not create:
-        raise NoDatabase(f"{target.shown}: an in-memory database starts empty in every process, so there is "
-                         f"nothing to read; give the file or server that holds the tuning results with --db / "
-                         f"KVSPLIT_DB")
-    # Looked at before SQLite sees it, so that a path that cannot name a file here is said to be one.
-    try:
-        if target.path is not None:
-            os.stat(target.path)
-    except FileNotFoundError:
-        if not create:
-            raise NoDatabase(f"{target.shown}: no such database file; check the path given with --db / KVSPLIT_DB "
-                             f"(commands that only read never create a database: `kvsplit tune` and `kvsplit db "
-                             f"import` do)") from None
-    except OSError as exc:  # too long, a loop of links, no permission
-        what = "a part of the path is not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
-        raise BadTarget(f"{target.shown}: cannot use this path: {what}; check the path given with "
-                        f"--db / KVSPLIT_DB") from None
-    return create_db_engine(target, timeout_s=timeout_s, pooled=pooled), target
-
-
 def _guarded(engine: Engine, timeout_s: float, step: Callable[[], T]) -> T:
     try:
         return step()
@@ -396,14 +360,14 @@ def _guarded(engine: Engine, timeout_s: float, step: Callable[[], T]) -> T:
         raise StoreError(describe_error(exc, engine_name(engine), timeout_s)) from exc
 
 
-def _ready_engine(url: str | None, timeout_s: float, *, create: bool = True,
-                  pooled: bool = True) -> tuple[Engine, Target]:
-    engine, target = _engine(url, timeout_s, create=create, pooled=pooled)
+def _open(url: str | None, timeout_s: float, *, create: bool = True, pooled: bool = True, **store: Any) -> Store:
+    target = parse_target(url)
+    engine = create_db_engine(target, timeout_s=timeout_s, pooled=pooled, create=create)
     upgraded_from = _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=create))
     if upgraded_from is not None:
         warnings.warn(f"kvsplit upgraded the tuning database {target.shown} from schema revision {upgraded_from} "
                       f"to {head_revision()}", DbWarning, stacklevel=3)
-    return engine, target
+    return Store(engine, target=target, timeout_s=timeout_s, **store)
 
 
 def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, create: bool = True,
@@ -412,8 +376,7 @@ def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, 
     upgrading its schema (an upgrade warns once); any problem is a :class:`StoreError`.  ``timeout_s``:
     how long to wait for another process's lock, in seconds; ``create`` false: a missing file, memory
     or a database without kvsplit tables is :class:`NoDatabase`."""
-    engine, target = _ready_engine(url, timeout_s, create=create)
-    return Store(engine, target=target, timeout_s=timeout_s, on_damage=on_damage, config_type=config_type)
+    return _open(url, timeout_s, create=create, on_damage=on_damage, config_type=config_type)
 
 
 def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -424,11 +387,10 @@ def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT
     try:
         # No SQLite connection kept between transactions: an idle serving process then maps
         # nothing of the file's -shm index, which would be SIGBUS once the file is made immutable.
-        engine, target = _ready_engine(url, timeout_s, pooled=False)
+        return _open(url, timeout_s, pooled=False, fallback=True, config_type=config_type)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the caller's merge must go on
         warnings.warn(f"kvsplit tuning database unusable, continuing in memory: {exc}", DbWarning, stacklevel=2)
         return Store(memory_engine(), fallback=True, timeout_s=timeout_s, config_type=config_type)
-    return Store(engine, target=target, fallback=True, timeout_s=timeout_s, config_type=config_type)
 
 
 def open_store_for_repair(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, dry_run: bool = False,
@@ -436,7 +398,8 @@ def open_store_for_repair(url: str | None = None, *, timeout_s: float = DEFAULT_
     """Open a database that may be damaged, for :meth:`Store.repair`, and one line per repair of its
     schema (:func:`kvsplit.db.migrate.restore_schema`; with ``dry_run`` only listed).  Never creates
     a database; raises as :func:`open_store`."""
-    engine, target = _engine(url, timeout_s, create=False)
+    target = parse_target(url)
+    engine = create_db_engine(target, timeout_s=timeout_s, create=False)
     done = _guarded(engine, timeout_s, lambda: restore_schema(engine, dry_run=dry_run))
     if not (dry_run and done):
         _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=False))

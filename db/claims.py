@@ -1,8 +1,7 @@
 """Claims: workers on any number of hosts share one grid through the database, with no coordinator.
 
 A claim locks its row (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite);
-the result and the end of the claim are one transaction; times are the database server's clock.
-"""
+the result and the end of the claim are one transaction; times are the database server's clock."""
 
 from __future__ import annotations
 
@@ -51,8 +50,6 @@ def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
 
 _RAW = raw_columns(CLAIMS)
 _KEY_TEXT = type_coerce(CLAIMS.c.key, Text)  # compared as the stored text, not re-encoded
-_NOW_PG = func.clock_timestamp()
-_NOW_SQLITE = func.strftime("%Y-%m-%d %H:%M:%f", literal_column("'now'"))
 _INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}  # with ON CONFLICT DO NOTHING
 
 
@@ -65,11 +62,10 @@ def database_now(session: Session) -> datetime:
     """The database server's clock, aware UTC (this host's for other backends)."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        return session.execute(select(_NOW_PG)).scalar_one().astimezone(timezone.utc)
+        return session.execute(select(func.clock_timestamp())).scalar_one().astimezone(timezone.utc)
     if dialect == "sqlite":
-        value = stored_time(session.execute(select(_NOW_SQLITE)).scalar_one())
-        if value is not None:
-            return value
+        now = func.strftime("%Y-%m-%d %H:%M:%f", literal_column("'now'"))
+        return stored_time(session.execute(select(now)).scalar_one()) or datetime.now(timezone.utc)
     return datetime.now(timezone.utc)
 
 
@@ -166,23 +162,20 @@ class Claims:
                 t: standing(Reader().claim(rows.get(t)), k in stored, now, run_started=run_started, force=force)
                 for t, k in texts.items()}
             counts = {s: list(where.values()).count(s) for s in ("done", "claimed", "failed", "expired", "left")}
-            skipped_locked = 0
+            busy = counts["claimed"]
             for text, key in texts.items():
                 if where[text] not in CLAIMABLE or text not in rows:
                     continue
                 row_id = rows[text]["id"]
                 locked = session.execute(select(*_RAW).where(CLAIMS.c.id == row_id)
                                          .with_for_update(skip_locked=True)).mappings().one_or_none()
-                if locked is None:  # another worker is claiming it in this very moment
-                    skipped_locked += 1
-                    continue
-                before = Reader().claim(dict(locked))
+                before = None if locked is None else Reader().claim(dict(locked))
                 # Read again under the lock: on PostgreSQL (read committed) a worker that finished
                 # this key after `stored` was read left a done row whose result the stale set would
                 # miss ("done but since pruned": claimable), and the key would be tuned twice.
-                now_stored = key in _stored(session, [key])
-                if standing(before, now_stored, now, run_started=run_started, force=force) not in CLAIMABLE:
-                    skipped_locked += 1  # changed since we looked: somebody else's now
+                if locked is None or standing(before, key in _stored(session, [key]), now, run_started=run_started,
+                                              force=force) not in CLAIMABLE:
+                    busy += 1  # another worker is claiming it this very moment, or took it since we looked
                     continue
                 stored_attempts = locked["attempts"]  # a damaged count starts again
                 attempt = (stored_attempts if type(stored_attempts) is int and stored_attempts >= 0 else 0) + 1
@@ -190,9 +183,8 @@ class Claims:
                     state="claimed", owner=owner, attempts=attempt, claimed_at=now, heartbeat_at=now,
                     expires_at=now + timedelta(seconds=lease_s), error=None))
                 taken = before.owner if before is not None and before.state == "claimed" else None
-                return Step(Claim(row_id, key, owner, attempt, now, taken), counts,
-                            counts["claimed"] + skipped_locked)
-            return Step(None, counts, counts["claimed"] + skipped_locked)
+                return Step(Claim(row_id, key, owner, attempt, now, taken), counts, busy)
+            return Step(None, counts, busy)
 
         return self._store.transaction(work, write=True)
 

@@ -1,9 +1,6 @@
-"""The kvsplit tuning database: which config won for which key, and how every candidate measured,
-in any SQLAlchemy database (SQLite in the user cache directory by default).
-
-Everything returned is a pydantic model of :mod:`.schemas`; SQLAlchemy and Alembic load at the
-store's first use (:data:`_STORE_SIDE`), not with the package.
-"""
+"""The kvsplit tuning database: which config won for which key, and how every candidate measured, in
+any SQLAlchemy database (SQLite in the user cache directory by default).  Everything returned is a pydantic
+model of :mod:`.schemas`; SQLAlchemy and Alembic load at the store's first use, not with the package."""
 
 import importlib
 

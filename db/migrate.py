@@ -26,11 +26,9 @@ _REPAIR = "run `kvsplit db repair` to restore it"
 
 
 def _config(connection: Connection | None = None) -> Config:
-    cfg = Config()
+    cfg = Config(attributes={"connection": connection, "version_table": VERSION_TABLE})
     # ConfigParser interpolation would eat a '%' in the install path.
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
-    cfg.attributes["connection"] = connection
-    cfg.attributes["version_table"] = VERSION_TABLE
     return cfg
 
 

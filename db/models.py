@@ -1,8 +1,7 @@
 """The tables of the tuning database (schema revision 0003); they never leave ``db/``.
 
 Constraint names are spelled out: Alembic's batch mode on SQLite finds constraints by
-name, and the migrations must make exactly these tables (a test compares them).
-"""
+name, and the migrations must make exactly these tables (a test compares them)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from .schemas import CHOICE_FIELDS
 
 
 def canonical_json(value: Any) -> str:
-    """``value`` as the JSON columns store it: sorted keys, no spaces."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 

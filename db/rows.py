@@ -2,8 +2,7 @@
 
 Rows are read as stored (timestamps as text: a value the driver cannot convert must not fail the
 query), then validated once, strictly, as the model that leaves the store; a row that fails is a
-:class:`Damage`, never an exception.
-"""
+:class:`Damage`, never an exception."""
 
 from __future__ import annotations
 
@@ -237,11 +236,8 @@ def read(session: Session, where: Sequence[ColumnElement[bool]] | None = None, *
             per_result[row["result_id"]].append(row)
         else:
             reader.hurt(CANDIDATES, row, f"result_id {shown(row['result_id'])} names no tuning_results row")
-    records = {}
-    for result_id, row in raw[RESULTS.name].items():
-        record = reader.record(row, raw, per_result[result_id])
-        if record is not None:
-            records[result_id] = record
+    records = {result_id: record for result_id, row in raw[RESULTS.name].items()
+               if (record := reader.record(row, raw, per_result[result_id])) is not None}
     for row in raw.get(CLAIMS.name, {}).values():
         reader.claim(row)
     for row in raw.get(GENERATION.name, {}).values():

@@ -1,8 +1,7 @@
 """What leaves the store: pydantic models, the plain config type, and the store's errors.
 
 Times are microseconds, timestamps aware UTC, dtypes torch's names.  Unknown fields are refused.
-A config's vocabulary is checked above the store, by a subclass given as ``context={"config": ...}``.
-"""
+A config's vocabulary is checked above the store, by a subclass given as ``context={"config": ...}``."""
 
 from __future__ import annotations
 
@@ -84,15 +83,13 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", from_attributes=True)
 
 
-def _utc(value: datetime | None) -> datetime | None:
+def _utc(value: datetime) -> datetime:
     # Naive timestamps are UTC: that is how the database stores them.
-    if value is None:
-        return None
     return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
 
 
 #: A timestamp, aware UTC.
-Time = Annotated[datetime | None, AfterValidator(_utc)]
+Time = Annotated[datetime, AfterValidator(_utc)] | None
 
 
 class Config:

@@ -281,18 +281,9 @@ def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TI
 # is SIGBUS).  The watch only stats the files: closing any descriptor of a file would drop every
 # POSIX lock the process holds on it, SQLite's included.
 
-def _load_statx():  # noqa: ANN202
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        statx = ctypes.CDLL(None, use_errno=True).statx
-    except (OSError, AttributeError):  # a C library without statx (glibc < 2.28)
-        return None
-    statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)  # returns int
-    return statx
-
-
-_statx = _load_statx()
+_statx = getattr(ctypes.CDLL(None) if sys.platform.startswith("linux") else None, "statx", None)  # glibc >= 2.28
+if _statx is not None:
+    _statx.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p)  # returns int
 
 
 def immutable(path: str) -> bool:

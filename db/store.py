@@ -29,8 +29,7 @@ T = TypeVar("T")
 OnDamage = Literal["raise", "warn"]
 #: Every record, every build, and the hashes of the stale builds: :meth:`Store.inventory`.
 Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
-# A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT
-# and INSERT; the retry then finds its row and updates it.
+# A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT and INSERT: retried.
 _WRITE_ATTEMPTS = 5
 
 
@@ -49,10 +48,9 @@ def memory_engine() -> Engine:
 
 
 class Store(contextlib.AbstractContextManager):
-    """Tuning results in a database at the head revision (open it with :func:`open_store` and its
-    siblings).  ``config_type`` is what stored configs become (``kvsplit.config.KernelConfig``
-    above the store): a config it refuses is a row that does not parse.  ``on_damage``: rows that do not
-    parse raise :class:`DamagedRows` (``"raise"``) or are skipped with one :class:`DbWarning` (``"warn"``)."""
+    """Tuning results in a database at the head revision, opened by :func:`open_store` and its siblings.
+    ``config_type``: what stored configs become (``KernelConfig`` above the store); a config it refuses is a row
+    that does not parse.  Such rows raise :class:`DamagedRows` or (``on_damage="warn"``) are skipped, warned once."""
 
     def __init__(self, engine: Engine, *, target: Target | None = None, fallback: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_damage: OnDamage | None = None,
@@ -95,9 +93,8 @@ class Store(contextlib.AbstractContextManager):
         self._engine.dispose(close=False)
 
     def transaction(self, work: Callable[[Session], T], *, write: bool, bump: bool = False) -> T:
-        """``work(session)`` in one transaction; database errors become :class:`StoreError` (with
-        ``fallback``: a warning and memory), a unique-key race of a write is retried, ``bump``
-        advances the generation counter (a write of results)."""
+        """``work(session)`` in one transaction (a write's unique-key race retried; ``bump``: a write of results);
+        database errors are :class:`StoreError` or, with ``fallback``, a warning and memory from then on."""
         attempt = 0
         while True:
             if self._watch is not None:
@@ -135,10 +132,8 @@ class Store(contextlib.AbstractContextManager):
         with self._swap_lock:
             if self._engine is not engine:
                 return  # another thread already moved to memory; just retry there
-            warnings.warn(f"kvsplit tuning database unusable, continuing in memory: {message}", DbWarning,
-                          stacklevel=4)
-            self._engine = memory_engine()
-            self._watch = None
+            warnings.warn(f"kvsplit tuning database unusable, continuing in memory: {message}", DbWarning, stacklevel=4)
+            self._engine, self._watch = memory_engine(), None
         engine.dispose()
 
     def _check_file(self, watch: FileWatch) -> None:
@@ -165,8 +160,7 @@ class Store(contextlib.AbstractContextManager):
                 engine, self._watch = memory_engine(), None
                 unusable = f"; the new file cannot be used ({problem})" if problem else ""
                 outcome = f"{unusable}; continuing in memory (what is profiled from now on stays in this process)"
-            warnings.warn(f"kvsplit tuning database {engine_name(old)} {what}{outcome}", DbWarning,
-                          stacklevel=5)
+            warnings.warn(f"kvsplit tuning database {engine_name(old)} {what}{outcome}", DbWarning, stacklevel=5)
             self._engine = engine
         # An immutable file's connections are dropped, never closed: closing writes to its
         # mapped shared-memory index, which is what kills the process.
@@ -270,11 +264,10 @@ class Store(contextlib.AbstractContextManager):
             found = read(session)
             chosen = {d.where: d for d in found.damage}
             gone = {row_id for table, row_id in chosen if table == RESULTS.name}
-            for candidate_id, row in found.raw[CANDIDATES.name].items():
-                if row["result_id"] in gone and (CANDIDATES.name, candidate_id) not in chosen:
-                    chosen[(CANDIDATES.name, candidate_id)] = Damage(
-                        CANDIDATES.name, candidate_id,
-                        f"belongs to tuning_results id {row['result_id']}, which is quarantined", row)
+            for row_id, row in found.raw[CANDIDATES.name].items():
+                if row["result_id"] in gone:
+                    problem = f"belongs to tuning_results id {row['result_id']}, which is quarantined"
+                    chosen.setdefault((CANDIDATES.name, row_id), Damage(CANDIDATES.name, row_id, problem, row))
             counts = {t.name: sum(1 for table, _ in chosen if table == t.name) for t in TABLES}
             result = RepairResult(dry_run=dry_run, quarantined={t: n for t, n in counts.items() if n},
                                   problems=[str(d) for d in found.damage], schema_repairs=[], quarantine_file=None)
@@ -291,10 +284,9 @@ class Store(contextlib.AbstractContextManager):
     def prune(self, *, stale_builds: bool = False, current_build: str | Collection[str] | None = None,
               other_devices_than: DeviceInfo | str | None = None, older_than: timedelta | None = None,
               dry_run: bool = False) -> PruneResult:
-        """Delete the results of stale builds (see :meth:`inventory`), of every device but
-        ``other_devices_than`` (a string matches part of a name and must match one, else
-        ``ValueError``) or last updated longer ago than ``older_than``; devices and builds left
-        empty go too."""
+        """Delete the results of stale builds (see :meth:`inventory`), of every device but ``other_devices_than``
+        (a string matches part of a name and must match one, else ``ValueError``) or last updated longer ago
+        than ``older_than``; devices and builds left empty go too."""
         if not (stale_builds or other_devices_than is not None or older_than is not None):
             return PruneResult(keys=[], dry_run=dry_run)
 
@@ -372,18 +364,16 @@ def _open(url: str | None, timeout_s: float, *, create: bool = True, pooled: boo
 
 def open_store(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, create: bool = True,
                on_damage: OnDamage = "raise", config_type: type[Config] = Config) -> Store:
-    """Open the database ``url`` names (see :func:`~kvsplit.db.engine.parse_target`), creating or
-    upgrading its schema (an upgrade warns once); any problem is a :class:`StoreError`.  ``timeout_s``:
-    how long to wait for another process's lock, in seconds; ``create`` false: a missing file, memory
-    or a database without kvsplit tables is :class:`NoDatabase`."""
+    """Open the database ``url`` names (see :func:`~kvsplit.db.engine.parse_target`), creating or upgrading its
+    schema (an upgrade warns once); any problem is a :class:`StoreError`.  ``timeout_s``: how long to wait for
+    another process's lock, in seconds; ``create`` false: memory, no file or no kvsplit tables: :class:`NoDatabase`."""
     return _open(url, timeout_s, create=create, on_damage=on_damage, config_type=config_type)
 
 
 def open_store_for_library(url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                            config_type: type[Config] = Config) -> Store:
-    """:func:`open_store` for a library caller, which never raises for a database problem: one
-    :class:`DbWarning` and memory instead, now or later; rows that do not parse are skipped with
-    one warning; an SQLite file is watched."""
+    """:func:`open_store` for a library caller, which never raises for a database problem: one :class:`DbWarning`
+    and memory instead, now or later; rows that do not parse are skipped with one warning; a file is watched."""
     try:
         # No SQLite connection kept between transactions: an idle serving process then maps
         # nothing of the file's -shm index, which would be SIGBUS once the file is made immutable.

@@ -1,8 +1,5 @@
-"""Configs: a kernel family and JSON parameters replace the integer kv_split.
-
-Existing rows become family 'kvsplit' with params {"kv_split": K}.  The params
-text is canonical JSON (sorted keys, no spaces), the form the ORM writes.
-"""
+"""Configs: a kernel family and JSON parameters replace the integer kv_split.  Existing rows become family
+'kvsplit' with params {"kv_split": K}, in canonical JSON (sorted keys, no spaces): the form the ORM writes."""
 
 import sqlalchemy as sa
 from alembic import op

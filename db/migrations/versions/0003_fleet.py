@@ -1,6 +1,4 @@
-"""Fleet tuning: claims with leases, and the generation counter serving processes poll.
-
-Both tables start empty; the counter row appears with the first write."""
+"""Fleet tuning: claims with leases, and the generation counter serving processes poll; both tables start empty."""
 
 import sqlalchemy as sa
 from alembic import op

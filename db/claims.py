@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
@@ -30,15 +30,13 @@ Surveyed = tuple[TuningKey, ClaimInfo | None, Standing]
 
 def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
              run_started: datetime | None = None, force: bool = False) -> Standing:
-    """Where one key stands, given its claim (``None``: none, or one that does not parse), whether a
-    result is stored, and the database's clock.  A failure before ``run_started`` (when the asking
-    worker started) is tried again, one since is final; with ``force`` a key is done only if it was
-    finished since ``run_started``."""
+    """Where one key stands, given its claim (``None``: none, or one that does not parse), whether a result is
+    stored, and the database's clock.  A failure before ``run_started`` (when the asking worker started) is tried
+    again, one since is final; with ``force`` a key is done only if it was finished since ``run_started``."""
     if claim is not None and claim.state == "claimed":
         return "claimed" if claim.expires_at is not None and claim.expires_at > now else "expired"
-    finished_in_run = (claim is not None and claim.state in ("done", "failed")
-                       and (run_started is None or (claim.heartbeat_at is not None
-                                                    and claim.heartbeat_at >= run_started)))
+    finished_in_run = claim is not None and claim.state in ("done", "failed") and (
+        run_started is None or (claim.heartbeat_at is not None and claim.heartbeat_at >= run_started))
     if force and run_started is not None:
         return claim.state if finished_in_run else "left"  # type: ignore[union-attr, return-value]
     if stored:
@@ -83,13 +81,12 @@ class Claim:
 
 @dataclass(frozen=True)
 class Step:
-    """What :meth:`Claims.claim_next` found: a claim or none, how the grid stands, and ``busy``: the
-    keys others hold (live leases, and keys another worker was locking that very moment).  No claim
-    and nothing busy: the grid is finished for this worker."""
+    """What :meth:`Claims.claim_next` found: a claim or none, how the grid stands, and ``busy``: the keys others
+    hold (live leases, and keys another worker was locking that very moment).  Neither: finished for this worker."""
 
     claim: Claim | None
-    standings: dict[str, int] = field(default_factory=dict)
-    busy: int = 0
+    standings: dict[str, int]
+    busy: int
 
 
 def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -216,15 +213,13 @@ class Claims:
                              CLAIMS.c.state == "claimed", CLAIMS.c.attempts == claim.attempt]
                 # Escaped, not refused: a failure's text must be stored on every backend.
                 values = {"state": "failed", "error": (error or "failed").replace("\x00", "\\x00")[:2000]}
-            session.execute(update(CLAIMS).where(*condition).values(heartbeat_at=now, expires_at=None,
-                                                                    **values))
+            session.execute(update(CLAIMS).where(*condition).values(heartbeat_at=now, expires_at=None, **values))
 
         self._store.transaction(work, write=True, bump=record is not None)
 
     def survey(self, keys: Sequence[TuningKey] | None = None) -> tuple[datetime, list[Surveyed]]:
-        """From one read: the database's clock, and each of ``keys`` with its claim (``None``: none, or
-        one that does not parse) and :func:`standing`; without ``keys``, every key ever registered (rows
-        that do not parse left out)."""
+        """From one read: the database's clock, and each of ``keys`` with its claim (``None``: none, or one that does
+        not parse) and :func:`standing`; without ``keys``, every key registered (rows that do not parse left out)."""
 
         def work(session: Session) -> tuple[datetime, list[Surveyed]]:
             now = database_now(session)

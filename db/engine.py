@@ -126,8 +126,7 @@ def _from_url(given: str) -> Target:
     if url.host or url.username or url.password or url.port:
         raise BadTarget(f"bad database URL {shown!r}: an SQLite URL names a file, not a host: "
                         f"sqlite:///relative/path or sqlite:////absolute/path")
-    unknown = sorted(set(url.query) - set(_SQLITE_DRIVER_ARGS) - {"mode"})
-    if unknown:
+    if unknown := sorted(set(url.query) - set(_SQLITE_DRIVER_ARGS) - {"mode"}):
         uri = " (SQLite URI filenames are not taken: give the path)" if "uri" in unknown else ""
         raise BadTarget(f"bad database URL {shown!r}: unknown SQLite URL parameter {visible(unknown[0])!r}{uri}; "
                         f"the query may hold mode=memory and the driver's {', '.join(sorted(_SQLITE_DRIVER_ARGS))}")
@@ -166,10 +165,9 @@ def is_memory_url(url: URL) -> bool:
 
 def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT_S, pooled: bool = True,
                      create: bool = True) -> Engine:
-    """An engine for ``target`` (a string is read by :func:`parse_target`), or a :class:`StoreError`.
-    ``timeout_s``: SQLite's busy timeout and PostgreSQL's connect timeout, in seconds; ``pooled``
-    false: an SQLite file's connections close after each transaction; ``create`` false: memory or
-    a missing file is :class:`NoDatabase`."""
+    """An engine for ``target`` (a string is read by :func:`parse_target`), or a :class:`StoreError`.  ``timeout_s``:
+    SQLite's busy timeout and PostgreSQL's connect timeout, in seconds; ``pooled`` false: an SQLite file's
+    connections close after each transaction; ``create`` false: memory or a missing file is :class:`NoDatabase`."""
     if not isinstance(target, Target):
         target = parse_target(target)
     shown, url = target.shown, target.url
@@ -260,8 +258,7 @@ def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TI
     if "unable to open database file" in low:
         return (f"{shown}: cannot open the database file: missing directory or no permission ({text}); "
                 f"check the path and its permissions")
-    missing = _MISSING_TABLE.search(text)
-    if missing:
+    if missing := _MISSING_TABLE.search(text):
         table = missing.group(1) or missing.group(2)
         return f"{shown}: the table {table} is missing; run `kvsplit db repair` to recreate it"
     if "authentication failed" in low:
@@ -276,10 +273,9 @@ def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TI
     return f"{shown}: {text}"
 
 
-# Deleted, it would be written as an unlinked inode, lost at exit; replaced (a shared file copied
-# over it), emptied, or made immutable (a write to SQLite's mapped -shm index of an immutable file
-# is SIGBUS).  The watch only stats the files: closing any descriptor of a file would drop every
-# POSIX lock the process holds on it, SQLite's included.
+# Deleted, it would be written as an unlinked inode, lost at exit; replaced (a shared file copied over it), emptied,
+# or made immutable (a write to SQLite's mapped -shm index of an immutable file is SIGBUS).  The watch only stats
+# the files: closing any descriptor of a file would drop every POSIX lock the process holds on it, SQLite's included.
 
 _statx = getattr(ctypes.CDLL(None) if sys.platform.startswith("linux") else None, "statx", None)  # glibc >= 2.28
 if _statx is not None:

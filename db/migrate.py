@@ -87,8 +87,7 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
         inspector = inspect(conn)
         tables = set(inspector.get_table_names())
         for table in (t for t in METADATA.sorted_tables if t.name in tables):
-            lacking = sorted(set(table.columns.keys()) - {c["name"] for c in inspector.get_columns(table.name)})
-            if lacking:
+            if lacking := sorted(set(table.columns.keys()) - {c["name"] for c in inspector.get_columns(table.name)}):
                 raise SchemaDamaged(
                     f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision {head}, "
                     f"so its revision cannot be told; restore the database from a backup or an export, or start "

@@ -143,8 +143,7 @@ class Config:
             return value if isinstance(value, kind) else kind(value.family, value.params)
         if not isinstance(value, Mapping):
             raise ValueError(f"a kernel config is an object {{family, params}}, got {value!r}")
-        extra = sorted(set(value) - {"family", "params"})
-        if extra:
+        if extra := sorted(set(value) - {"family", "params"}):
             raise ValueError(f"a kernel config has only family and params, got {', '.join(map(str, extra))}")
         if "params" not in value:
             raise ValueError("a kernel config needs params")

@@ -170,8 +170,7 @@ class Store(contextlib.AbstractContextManager):
         value, damage = self.transaction(work, **{"write": False, **options})
         if damage and self._on_damage == "raise":
             raise DamagedRows(self.url, damage)
-        new = [d for d in damage if d.where not in self._warned]
-        if new:
+        if new := [d for d in damage if d.where not in self._warned]:
             self._warned.update(d.where for d in new)
             warnings.warn(f"kvsplit skipped rows of the tuning database {DamagedRows(self.url, new)}",
                           DbWarning, stacklevel=3)
@@ -251,8 +250,7 @@ class Store(contextlib.AbstractContextManager):
 
     def check(self) -> None:
         """Raise :class:`DamagedRows` if any row does not parse, whatever ``on_damage`` says."""
-        damage = self.damage()
-        if damage:
+        if damage := self.damage():
             raise DamagedRows(self.url, damage)
 
     def repair(self, keep: Callable[[list[Damage]], None], *, dry_run: bool = False) -> RepairResult:
@@ -355,8 +353,7 @@ def _guarded(engine: Engine, timeout_s: float, step: Callable[[], T]) -> T:
 def _open(url: str | None, timeout_s: float, *, create: bool = True, pooled: bool = True, **store: Any) -> Store:
     target = parse_target(url)
     engine = create_db_engine(target, timeout_s=timeout_s, pooled=pooled, create=create)
-    upgraded_from = _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=create))
-    if upgraded_from is not None:
+    if (upgraded_from := _guarded(engine, timeout_s, lambda: ensure_schema(engine, create=create))) is not None:
         warnings.warn(f"kvsplit upgraded the tuning database {target.shown} from schema revision {upgraded_from} "
                       f"to {head_revision()}", DbWarning, stacklevel=3)
     return Store(engine, target=target, timeout_s=timeout_s, **store)

@@ -90,11 +90,8 @@ class Step:
 
 
 def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    for chunk in chunks(texts):
-        for raw in session.execute(select(*_RAW).where(_KEY_TEXT.in_(chunk))).mappings():
-            rows[raw["key"]] = dict(raw)
-    return rows
+    return {raw["key"]: dict(raw) for chunk in chunks(texts)
+            for raw in session.execute(select(*_RAW).where(_KEY_TEXT.in_(chunk))).mappings()}
 
 
 def _register(session: Session, texts: Sequence[str]) -> None:
@@ -150,8 +147,7 @@ class Claims:
         def work(session: Session) -> Step:
             now = database_now(session)
             rows = _claim_rows(session, list(texts))
-            missing = [t for t in texts if t not in rows]
-            if missing:  # repaired away, or a grid registered by nobody yet
+            if missing := [t for t in texts if t not in rows]:  # repaired away, or a grid registered by nobody yet
                 _register(session, missing)
                 rows.update(_claim_rows(session, missing))
             stored = _stored(session, keys)

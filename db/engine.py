@@ -301,8 +301,7 @@ class FileWatch:
         self._identity = (stat.st_dev, stat.st_ino)
 
     def changed(self) -> tuple[str, bool] | None:
-        """``None`` while the file is the one opened, else what happened to it and whether a file
-        stands at its path that may be reopened."""
+        """``None`` while the file is the one opened, else what happened to it and whether its path may be reopened."""
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:

@@ -99,7 +99,6 @@ class Unparsable(Exception):
 
 
 def shown(value: Any) -> str:
-    """A stored value for a message: its repr, cut to 40 characters."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 

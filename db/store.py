@@ -138,8 +138,7 @@ class Store(contextlib.AbstractContextManager):
 
     def _check_file(self, watch: FileWatch) -> None:
         # A file changed under us: one warning, and the new file (when one replaced it and it opens) or memory.
-        change = watch.changed()
-        if change is None:
+        if (change := watch.changed()) is None:
             return
         what, reopen = change
         with self._swap_lock:

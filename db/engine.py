@@ -86,9 +86,9 @@ def parse_target(value: str | None = None) -> Target:
             raise BadTarget(f"{visible(str(path))}: kvsplit cannot tell the user's home directory for its "
                             f"default database; set HOME, or give one with --db / KVSPLIT_DB")
         return Target(str(path), URL.create("sqlite", database=str(path)), path, default=True)
-    if _SCHEME.match(given):
-        return _from_url(given)
     shown = shown_as_given(given)
+    if _SCHEME.match(given):
+        return _from_url(given, shown)
     if "\x00" in given:
         raise BadTarget(f"{shown}: a path cannot hold a NUL character; {_EXAMPLES}")
     if given == ":memory:":
@@ -111,8 +111,7 @@ def _absolute(shown: str, path: str) -> tuple[URL, Path]:
     return URL.create("sqlite", database=path), Path(path)
 
 
-def _from_url(given: str) -> Target:
-    shown = shown_as_given(given)
+def _from_url(given: str, shown: str) -> Target:
     try:
         url = make_url(given)
     except (ArgumentError, ValueError) as exc:

@@ -49,9 +49,8 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
     rows = list(conn.scalars(text(f"SELECT version_num FROM {VERSION_TABLE}"))) if VERSION_TABLE in tables else []
     if not rows:
         if tables & set(METADATA.tables):
-            state = "is empty" if VERSION_TABLE in tables else "is missing"
             raise SchemaDamaged(f"{shown}: the database has kvsplit tables but its schema version table "
-                                f"{VERSION_TABLE} {state}; {_REPAIR}")
+                                f"{VERSION_TABLE} {'is empty' if VERSION_TABLE in tables else 'is missing'}; {_REPAIR}")
         return None
     for row in rows:
         if not (isinstance(row, str) and _REVISION_ID.match(row)):

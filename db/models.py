@@ -38,9 +38,7 @@ class UTCDateTime(TypeDecorator):
     cache_ok = True
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
-        return value
+        return value if value is None or value.tzinfo is None else value.astimezone(timezone.utc).replace(tzinfo=None)
 
 
 METADATA = MetaData()

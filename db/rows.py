@@ -104,7 +104,6 @@ def shown(value: Any) -> str:
 
 
 def _values(table: Table, raw: Mapping[str, Any]) -> dict[str, Any]:
-    # Every column of the row but its id, as its column's type.
     values = {}
     for name, value in raw.items():
         if name != "id":
@@ -116,7 +115,6 @@ def _values(table: Table, raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _candidate(values: dict[str, Any]) -> dict[str, Any]:
-    # A candidate row's values as CandidateResult's data: its family and params are its config.
     config = {"family": values.pop("family"), "params": values.pop("params")}
     del values["result_id"]
     return {"config": config, **values}

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import Engine, delete, insert, or_, select
+from sqlalchemy import Engine, delete, false, insert, or_, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -298,9 +298,7 @@ class Store(contextlib.AbstractContextManager):
                 criteria.append(RESULTS.c.device_id.not_in(keep))
             if older_than is not None:
                 criteria.append(RESULTS.c.updated_at < datetime.now(timezone.utc) - older_than)
-            if not criteria:
-                return PruneResult(keys=[], dry_run=dry_run), []
-            found = read(session, [or_(*criteria)], candidates=False)
+            found = read(session, [or_(false(), *criteria)], candidates=False)
             if found.damage and self._on_damage == "raise":
                 raise DamagedRows(self.url, found.damage)  # before the transaction commits: nothing deleted
             if found.records and not dry_run:  # rows that do not parse are left alone

@@ -48,7 +48,6 @@ def standing(claim: ClaimInfo | None, stored: bool, now: datetime, *,
 
 _RAW = raw_columns(CLAIMS)
 _KEY_TEXT = type_coerce(CLAIMS.c.key, Text)  # compared as the stored text, not re-encoded
-_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}  # with ON CONFLICT DO NOTHING
 
 
 def key_text(key: TuningKey) -> str:
@@ -96,7 +95,7 @@ def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, A
 
 def _register(session: Session, texts: Sequence[str]) -> None:
     # An open claim row for each key (canonical text) that has none; a race with another worker is fine.
-    dialect_insert = _INSERTS.get(session.get_bind().dialect.name)
+    dialect_insert = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}.get(session.get_bind().dialect.name)
     # One order for every worker: concurrent inserts of the same keys then wait, never deadlock.
     missing = sorted(texts)
     if dialect_insert is None:  # a unique-key race raises IntegrityError: the store retries

@@ -26,7 +26,6 @@ DEFAULT_TIMEOUT_S = 30.0
 # Execution option that makes an SQLite transaction start with BEGIN IMMEDIATE: see writing().
 _WRITE_OPTION = "kvsplit_write"
 _SHOWN_OPTION = "kvsplit_shown"  # the database as given, for messages: see engine_name()
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # A URL's user, then ":" and the password up to the authority's last "@".
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/]*):[^/]*@")
 _EXAMPLES = ("give an SQLite file path, or a URL such as sqlite:////abs/path/tuning.sqlite or "
@@ -87,7 +86,7 @@ def parse_target(value: str | None = None) -> Target:
                             f"default database; set HOME, or give one with --db / KVSPLIT_DB")
         return Target(str(path), URL.create("sqlite", database=str(path)), path, default=True)
     shown = shown_as_given(given)
-    if _SCHEME.match(given):
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", given):
         return _from_url(given, shown)
     if "\x00" in given:
         raise BadTarget(f"{shown}: a path cannot hold a NUL character; {_EXAMPLES}")
@@ -237,9 +236,6 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE_OPTION) else "BEGIN")
 
 
-_MISSING_TABLE = re.compile(r'no such table: (\w+)|relation "(\w+)" does not exist')
-
-
 def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """One line for people: what is wrong with the database ``shown``, and what to do."""
     orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
@@ -257,7 +253,7 @@ def describe_error(exc: BaseException, shown: str, timeout_s: float = DEFAULT_TI
     if "unable to open database file" in low:
         return (f"{shown}: cannot open the database file: missing directory or no permission ({text}); "
                 f"check the path and its permissions")
-    if missing := _MISSING_TABLE.search(text):
+    if missing := re.search(r'no such table: (\w+)|relation "(\w+)" does not exist', text):
         table = missing.group(1) or missing.group(2)
         return f"{shown}: the table {table} is missing; run `kvsplit db repair` to recreate it"
     if "authentication failed" in low:

@@ -17,18 +17,16 @@ from .engine import engine_name, writing
 from .models import METADATA
 from .schemas import NoDatabase, SchemaDamaged, SchemaTooNew
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 #: Not Alembic's default name, so kvsplit can share a PostgreSQL database with other apps.
 VERSION_TABLE = "kvsplit_schema_version"
 _PG_LOCK_ID = 0x6B7673706C6974  # "kvsplit": serializes concurrent first migrations on PostgreSQL
-_REVISION_ID = re.compile(r"^[0-9A-Za-z_]{1,32}$")
 _REPAIR = "run `kvsplit db repair` to restore it"
 
 
 def _config(connection: Connection | None = None) -> Config:
     cfg = Config(attributes={"connection": connection, "version_table": VERSION_TABLE})
     # ConfigParser interpolation would eat a '%' in the install path.
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+    cfg.set_main_option("script_location", str(Path(__file__).resolve().parent / "migrations").replace("%", "%%"))
     return cfg
 
 
@@ -53,7 +51,7 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
                                 f"{VERSION_TABLE} {'is empty' if VERSION_TABLE in tables else 'is missing'}; {_REPAIR}")
         return None
     for row in rows:
-        if not (isinstance(row, str) and _REVISION_ID.match(row)):
+        if not (isinstance(row, str) and re.match(r"^[0-9A-Za-z_]{1,32}$", row)):
             raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} holds {row!r}, "
                                 f"which is not a schema revision; {_REPAIR}")
     for row in rows:

@@ -54,12 +54,6 @@ class DbWarning(UserWarning):
     """A database problem that did not stop the caller: an upgrade, a fall-back to memory, skipped rows."""
 
 
-Dtype = Literal["bfloat16", "float16", "float32"]
-OutDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"]
-# ":scattered": the stats of adjacent rows are not adjacent in memory (vLLM's and FlashAttention's
-# head-major LSE): one 32-byte sector per row instead of one per band changes what is fastest.
-StatsFormat = Literal["maxsum", "lse", "maxsum:scattered", "lse:scattered"]
-L2State = Literal["warm", "cold"]
 ImportRule = Literal["newer", "replace", "keep"]
 
 INT_MAX = 2**31 - 1  # an INTEGER column's bound: too large fails validation, not the database
@@ -193,9 +187,11 @@ class TuningKey(_Model, frozen=True):
     device: DeviceInfo
     build_hash: Text = Field(min_length=1, max_length=128)
     head_dim: Positive
-    partial_dtype: Dtype
-    out_dtype: OutDtype
-    stats_format: StatsFormat
+    partial_dtype: Literal["bfloat16", "float16", "float32"]
+    out_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"]
+    # ":scattered": the stats of adjacent rows are not adjacent in memory (vLLM's and FlashAttention's
+    # head-major LSE): one 32-byte sector per row instead of one per band changes what is fastest.
+    stats_format: Literal["maxsum", "lse", "maxsum:scattered", "lse:scattered"]
     num_splits: Positive
     rows: Positive
 
@@ -214,7 +210,7 @@ class TuningPolicy(_Model):
     """How the winner was chosen; ``noise_margin`` is relative (0.02: a larger config must beat a
     smaller one by more than 2 %)."""
 
-    l2_state: L2State = "warm"
+    l2_state: Literal["warm", "cold"] = "warm"
     repeats: Positive
     noise_margin: float = Field(ge=0.0, allow_inf_nan=False)
 

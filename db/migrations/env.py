@@ -1,6 +1,5 @@
-"""Alembic environment, run only by :mod:`kvsplit.db.migrate`, which has begun the transaction
-(and on SQLite turned foreign keys off): the upgrade commits or rolls back as one.  Loaded by
-path, outside the package: the connection and version table come in ``config.attributes``."""
+"""Alembic environment, run only by :mod:`kvsplit.db.migrate` in the transaction it began (on SQLite with foreign
+keys off); loaded by path, outside the package, it gets the connection and version table in ``config.attributes``."""
 
 from alembic import context
 

@@ -14,11 +14,9 @@ _STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage"
 
 
 def __getattr__(name: str):
-    module = _STORE_SIDE.get(name)
-    if module is None:
+    if name not in _STORE_SIDE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
+    value = globals()[name] = getattr(importlib.import_module(f".{_STORE_SIDE[name]}", __name__), name)
     return value
 
 

@@ -24,7 +24,6 @@ from .store import Store
 #: ``expired``: lease ran out (claimable); ``left``: claimable.
 Standing = Literal["done", "claimed", "failed", "expired", "left"]
 CLAIMABLE: tuple[Standing, ...] = ("left", "expired")
-#: A key of :meth:`Claims.survey`: the key, its claim, where it stands.
 Surveyed = tuple[TuningKey, ClaimInfo | None, Standing]
 
 

@@ -306,10 +306,9 @@ def write_record(session: Session, record: TuningRecord, stored: StoredTimes | N
               **record.policy.model_dump(), "tool_version": record.tool_version,
               "created_at": min(created, updated), "updated_at": updated}
     if stored is None:
-        key = record.key
-        values |= key.model_dump(exclude={"device", "build_hash"})
-        values["device_id"] = _id(session, _DEVICE_ID, DEVICES, key.device.model_dump())
-        values["build_id"] = _id(session, _BUILD_ID, BUILDS, {"build_hash": key.build_hash},
+        values |= record.key.model_dump(exclude={"device", "build_hash"})
+        values["device_id"] = _id(session, _DEVICE_ID, DEVICES, record.key.device.model_dump())
+        values["build_id"] = _id(session, _BUILD_ID, BUILDS, {"build_hash": record.key.build_hash},
                                  library_version=record.tool_version)
         result_id = session.execute(insert(RESULTS), values).inserted_primary_key[0]
     else:

@@ -27,7 +27,6 @@ from .schemas import (CHOICE_FIELDS, ChoiceKey, Config, DamagedRows, DbWarning, 
 log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
 OnDamage = Literal["raise", "warn"]
-#: Every record, every build, and the hashes of the stale builds: :meth:`Store.inventory`.
 Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
 # A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT and INSERT: retried.
 _WRITE_ATTEMPTS = 5

@@ -16,8 +16,7 @@ _STORE_SIDE = {"Claim": "claims", "Claims": "claims", "Step": "claims", "Damage"
 def __getattr__(name: str):
     if name not in _STORE_SIDE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(f".{_STORE_SIDE[name]}", __name__), name)
-    return value
+    return globals().setdefault(name, getattr(importlib.import_module(f".{_STORE_SIDE[name]}", __name__), name))
 
 
 __all__ = ["BASELINE", "DEFAULT_TIMEOUT_S", "ENV_VAR", "CandidateResult", "ChoiceKey", "Claim", "ClaimInfo", "Claims",

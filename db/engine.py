@@ -92,8 +92,7 @@ def parse_target(value: str | None = None) -> Target:
         raise BadTarget(f"{shown}: a path cannot hold a NUL character; {_EXAMPLES}")
     if given == ":memory:":
         return Target(shown, URL.create("sqlite"), memory=True)
-    expanded = os.path.expanduser(given)
-    if expanded.startswith("~"):
+    if (expanded := os.path.expanduser(given)).startswith("~"):
         user = given[1:].split("/", 1)[0]
         whose = f"no user {visible(user)!r} is known here" if user else "HOME is not set and the user has none"
         raise BadTarget(f"{shown}: cannot expand ~{visible(user)}: {whose}; write the path in full "
@@ -190,8 +189,7 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
             else:
                 if target.default:
                     target.path.parent.mkdir(parents=True, exist_ok=True)
-                pool = {} if pooled else {"poolclass": NullPool}
-                engine = create_engine(url, connect_args={"timeout": timeout_s}, **pool)
+                engine = create_engine(url, connect_args={"timeout": timeout_s}, poolclass=None if pooled else NullPool)
             _install_sqlite_listeners(engine, timeout_s)
         else:
             connect_args = {}

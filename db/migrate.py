@@ -64,8 +64,7 @@ def stamped_revision(conn: Connection, shown: str, *, check_tables: bool = True)
     if len(rows) > 1:
         raise SchemaDamaged(f"{shown}: the schema version table {VERSION_TABLE} has {len(rows)} rows "
                             f"({', '.join(map(repr, rows))}) where one belongs; {_REPAIR}")
-    missing = [t for t in METADATA.tables if t not in tables]
-    if check_tables and rows[0] == head_revision() and missing:
+    if check_tables and rows[0] == head_revision() and (missing := [t for t in METADATA.tables if t not in tables]):
         raise SchemaDamaged(f"{shown}: the table {missing[0]} is missing; run `kvsplit db repair` to recreate it")
     return rows[0]
 
@@ -85,10 +84,9 @@ def restore_schema(engine: Engine, *, dry_run: bool = False) -> list[str]:
         tables = set(inspector.get_table_names())
         for table in (t for t in METADATA.sorted_tables if t.name in tables):
             if lacking := sorted(set(table.columns.keys()) - {c["name"] for c in inspector.get_columns(table.name)}):
-                raise SchemaDamaged(
-                    f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema revision {head}, "
-                    f"so its revision cannot be told; restore the database from a backup or an export, or start "
-                    f"a new one with --db / KVSPLIT_DB")
+                raise SchemaDamaged(f"{shown}: table {table.name} lacks the columns {', '.join(lacking)} of schema "
+                                    f"revision {head}, so its revision cannot be told; restore the database from a "
+                                    f"backup or an export, or start a new one with --db / KVSPLIT_DB")
         missing = [t for t in METADATA.sorted_tables if t.name not in tables]
         done = [f"created the missing table {t.name} (empty)" for t in missing]
         if restamp:

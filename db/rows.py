@@ -115,9 +115,8 @@ def _values(table: Table, raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _candidate(values: dict[str, Any]) -> dict[str, Any]:
-    config = {"family": values.pop("family"), "params": values.pop("params")}
     del values["result_id"]
-    return {"config": config, **values}
+    return {"config": {"family": values.pop("family"), "params": values.pop("params")}, **values}
 
 
 class Reader:

@@ -46,8 +46,7 @@ class DamagedRows(StoreError):
         self.damage = list(damage)
         count = len(self.damage)
         first = "; ".join(map(str, self.damage[:3])) + (f"; and {count - 3} more" if count > 3 else "")
-        rows = "row does" if count == 1 else "rows do"
-        super().__init__(f"{url}: {count} {rows} not parse ({first}); {REPAIR_HINT}")
+        super().__init__(f"{url}: {count} {'row does' if count == 1 else 'rows do'} not parse ({first}); {REPAIR_HINT}")
 
 
 class DbWarning(UserWarning):
@@ -98,10 +97,9 @@ class Config:
         if not isinstance(params, Mapping) or not all(
                 isinstance(k, str) and type(v) is int and 0 < v <= INT_MAX for k, v in params.items()):
             raise ValueError(f"a config's params map names to positive integers, got {params!r}")
-        set_ = object.__setattr__
-        set_(self, "family", family)
-        set_(self, "_params", tuple(sorted(params.items())))
-        set_(self, "_hash", hash((family, self._params)))
+        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "_params", tuple(sorted(params.items())))
+        object.__setattr__(self, "_hash", hash((family, self._params)))
 
     @property
     def params(self) -> dict[str, int]:
@@ -145,10 +143,8 @@ class Config:
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
-        return core_schema.with_info_plain_validator_function(
-            Config._validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda c: {"family": c.family, "params": c.params}))
+        serialize = core_schema.plain_serializer_function_ser_schema(lambda c: {"family": c.family, "params": c.params})
+        return core_schema.with_info_plain_validator_function(Config._validate, serialization=serialize)
 
 
 #: The config every speed-up is measured against: one thread group per row.

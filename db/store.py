@@ -338,11 +338,10 @@ class Store(contextlib.AbstractContextManager):
 def _guarded(engine: Engine, timeout_s: float, step: Callable[[], T]) -> T:
     try:
         return step()
-    except StoreError:
+    except (StoreError, SQLAlchemyError, OSError, ValueError) as exc:  # ValueError: a driver refusing a URL's value
         engine.dispose()
-        raise
-    except (SQLAlchemyError, OSError, ValueError) as exc:  # ValueError: a driver refusing a value of the URL
-        engine.dispose()
+        if isinstance(exc, StoreError):
+            raise
         raise StoreError(describe_error(exc, engine_name(engine), timeout_s)) from exc
 
 

@@ -83,8 +83,7 @@ CLAIMS = _table("tuning_claims", {
     "claimed_at": UTCDateTime, "heartbeat_at": UTCDateTime, "expires_at": UTCDateTime, "error": Text,
 }, UniqueConstraint("key", name="uq_tuning_claims_key"),
     nullable=("owner", "claimed_at", "heartbeat_at", "expires_at", "error"))
-#: One row (id 1) whose counter every write of results bumps: a serving process compares it to notice
-#: new winners cheaply.
+#: One row (id 1) whose counter every write of results bumps: a serving process polls it to see new winners cheaply.
 GENERATION = _table("tuning_generation", {"generation": Integer})
 #: Every table, parents first (the fleet's two tables stand alone).
 TABLES = (DEVICES, BUILDS, RESULTS, CANDIDATES, CLAIMS, GENERATION)

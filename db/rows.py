@@ -1,8 +1,7 @@
 """The one place where rows become models, and records become rows.
 
-Rows are read as stored (timestamps as text: a value the driver cannot convert must not fail the
-query), then validated once, strictly, as the model that leaves the store; a row that fails is a
-:class:`Damage`, never an exception."""
+Rows are read as stored (timestamps as text: a value the driver cannot convert must not fail the query), then validated
+once, strictly, as the model that leaves the store; a row that fails is a :class:`Damage`, never an exception."""
 
 from __future__ import annotations
 
@@ -24,6 +23,10 @@ from sqlalchemy.types import NullType
 from .models import BUILDS, CANDIDATES, CLAIMS, DEVICES, GENERATION, RESULTS, TABLES, CanonicalJSON, UTCDateTime
 from .schemas import CHOICE_FIELDS, CandidateResult, ClaimInfo, DeviceInfo, KernelBuildInfo, TuningKey, TuningRecord
 
+CHUNK = 500  # values per IN list, well under every backend's parameter limit
+_TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d{1,6})?")
+_TIME = TypeAdapter(datetime)
+
 
 def raw_columns(table: Table, prefix: str = "") -> list[ColumnElement]:
     """``table``'s columns as stored, labelled ``prefix + name``: timestamps as text."""
@@ -31,16 +34,9 @@ def raw_columns(table: Table, prefix: str = "") -> list[ColumnElement]:
             for c in table.columns]
 
 
-CHUNK = 500  # values per IN list, well under every backend's parameter limit
-
-
 def chunks(values: Sequence[Any]) -> Iterator[Sequence[Any]]:
     """``values`` in slices of at most :data:`CHUNK`, one IN list each."""
     return (values[start:start + CHUNK] for start in range(0, len(values), CHUNK))
-
-
-_TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d{1,6})?")
-_TIME = TypeAdapter(datetime)
 
 
 def stored_value(column: Any, value: Any) -> Any:

@@ -203,8 +203,7 @@ class TuningKey(_Model, frozen=True):
 
 
 class TuningPolicy(_Model):
-    """How the winner was chosen; ``noise_margin`` is relative (0.02: a larger config must beat a
-    smaller one by more than 2 %)."""
+    """The winner's policy: ``noise_margin`` is relative (0.02: a larger config must beat a smaller one by over 2 %)."""
 
     l2_state: Literal["warm", "cold"] = "warm"
     repeats: Positive

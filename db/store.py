@@ -238,8 +238,7 @@ class Store(contextlib.AbstractContextManager):
         return self._read(work)
 
     def generation(self) -> object:
-        """The generation counter as stored (``None`` before the first write): it changes with every
-        write of results, here or in any other process."""
+        """The stored generation counter (``None`` before any write); any process's write of results changes it."""
         return self.transaction(lambda session: session.execute(READ_GENERATION).scalar(), write=False)
 
     def damage(self) -> list[Damage]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
@@ -83,8 +83,8 @@ class Step:
     hold (live leases, and keys another worker was locking that very moment).  Neither: finished for this worker."""
 
     claim: Claim | None
-    standings: dict[str, int]
-    busy: int
+    standings: dict[str, int] = field(default_factory=dict)
+    busy: int = 0
 
 
 def _claim_rows(session: Session, texts: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -28,7 +28,7 @@ log = logging.getLogger("kvsplit.db")
 T = TypeVar("T")
 OnDamage = Literal["raise", "warn"]
 Inventory = tuple[list[TuningRecord], list[KernelBuildInfo], set[str]]
-# A concurrent writer (PostgreSQL) may insert the same device, build or key between our SELECT and INSERT: retried.
+# Another writer (PostgreSQL) may insert our device, build or key between our SELECT and INSERT: the retry updates it.
 _WRITE_ATTEMPTS = 5
 
 

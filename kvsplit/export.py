@@ -24,6 +24,7 @@ from .config import KernelConfig
 from .db.schemas import Time, TuningRecord
 from .export_text import ExportText
 from .files import IMPORT_LIMIT, read_capped, read_regular
+from .terminal import counted
 
 __all__ = ["ExportFile", "InvalidExportError", "dump_export", "make_export", "parse_export", "read_export",
            "read_export_file", "tool_version"]
@@ -76,8 +77,8 @@ class InvalidExportError(ValueError):
         more = self.total - len(lines)
         if more > 0:
             records = self.invalid_records - len(_records_named(lines))
-            lines.append(f"... and {_count(more, 'more problem')}"
-                         + (f" in {_count(records, 'more record')}" if records > 0 else ""))
+            lines.append(f"... and {counted(more, 'more problem')}"
+                         + (f" in {counted(records, 'more record')}" if records > 0 else ""))
         return lines
 
 
@@ -86,10 +87,6 @@ _RECORD = re.compile(r"record (\d+)\b")
 
 def _records_named(problems: list[str]) -> set[str]:
     return {match.group(1) for match in map(_RECORD.match, problems) if match}
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _where(loc: tuple) -> str:

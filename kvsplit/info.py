@@ -6,6 +6,7 @@ import os
 
 from . import __version__, _native
 from .config import NO_CUDA_KERNELS, build_hash, has_cuda_kernels
+from .terminal import counted
 
 
 def _database(url: str | None) -> tuple[str, str, bool]:
@@ -28,7 +29,7 @@ def _database(url: str | None) -> tuple[str, str, bool]:
         return target.shown, "not created yet (kvsplit creates it at the first tuning)", False
     except StoreError as error:
         return target.shown, f"problem: {error}", True
-    return target.shown, f"ok, {results} tuning results", False
+    return target.shown, f"ok, {counted(results, 'tuning result')}", False
 
 
 def _version(version: int) -> str:

@@ -34,6 +34,11 @@ def printable_lines(value: object) -> str:
     return "\n".join(printable(line) for line in str(value).split("\n"))
 
 
+def counted(number: int, noun: str) -> str:
+    """``number`` and ``noun``, plural unless it is one: "1 key", "1,024 tuning results"."""
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
+
+
 def text(value: object, style: str = "") -> Text:
     """``value`` as a rich :class:`~rich.text.Text`: shown literally, markup and all."""
     return Text(printable(value), style=style)

@@ -16,7 +16,7 @@ import click
 from .kit import (EXIT_DATABASE, EXIT_INVALID, EXIT_NOT_FOUND, InvalidInput, MappedErrors, NotFound, db_option,
                       db_url, storing_db_url)
 from ..config import OUT_DTYPES, PARTIAL_DTYPES, SCATTERED, STATS_FORMAT_CODES, KernelConfig
-from ..terminal import printable
+from ..terminal import counted, printable
 from ..db.claims import Claims
 from .render import (
     console,
@@ -165,7 +165,7 @@ def show(ctx: click.Context, as_json: bool, **filters: Any) -> None:
         raise NotFound("no tuning result matches")
     if len(records) > 1:
         raise InvalidInput(
-            f"{len(records)} tuning results match; narrow with --device, --build, --head-dim, "
+            f"{counted(len(records), 'tuning result')} match; narrow with --device, --build, --head-dim, "
             f"--dtype, --out-dtype, --stats-format, --num-splits, --rows (see `kvsplit db list`)"
         )
     if as_json:
@@ -212,7 +212,7 @@ def export_(ctx: click.Context, out_path: Path | None, **filters: Any) -> None:
         out_path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
-    click.echo(f"exported {len(export.records)} tuning results to {printable(out_path)}", err=True)
+    click.echo(f"exported {counted(len(export.records), 'tuning result')} to {printable(out_path)}", err=True)
 
 
 def _read_export(file: str) -> bytes:

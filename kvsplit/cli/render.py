@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..terminal import labelled, text
+from ..terminal import counted, labelled, text
 from ..db.schemas import BASELINE, ImportSummary, PruneResult, RepairResult, TuningRecord
 from .reports import Progress, StoreStats
 
@@ -61,7 +61,7 @@ def records_table(records: list[TuningRecord]) -> Table:
     # rules, short dtypes, N for num_splits, an 8-digit build prefix and the date alone
     # (`kvsplit db show` has the rest).
     table = Table(
-        title=f"{len(records)} tuning results", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
+        title=counted(len(records), "tuning result"), box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True
     )
     for name in ("device", "build", "D", "dtype", "stats", "N", "rows", "winner", "vs K=1", "updated"):
         table.add_column(
@@ -124,7 +124,8 @@ def show_record(out: Console, record: TuningRecord) -> None:
 
 def show_stats(out: Console, stats: StoreStats, installed: tuple[str, ...] = ()) -> None:
     out.print(
-        text(f"{stats.url}: {stats.keys} tuning results, oldest {_when(stats.oldest)}, newest {_when(stats.newest)} UTC")
+        text(f"{stats.url}: {counted(stats.keys, 'tuning result')}, "
+             f"oldest {_when(stats.oldest)}, newest {_when(stats.newest)} UTC")
     )
     devices = Table(title="per device (speed-up of the winner over kv_split=1)")
     for name in ("device", "keys", "mean speed-up", "max speed-up", "oldest", "newest"):
@@ -155,7 +156,7 @@ def show_stats(out: Console, stats: StoreStats, installed: tuple[str, ...] = ())
 
 def show_prune(out: Console, result: PruneResult) -> None:
     verb = "would delete" if result.dry_run else "deleted"
-    out.print(text(f"{verb} {result.count} tuning results"))
+    out.print(text(f"{verb} {counted(result.count, 'tuning result')}"))
     if result.keys:
         table = Table()
         for name in ("device", "build", "D", "dtype", "stats", "num_splits", "rows"):
@@ -182,17 +183,13 @@ def show_repair(out: Console, result: RepairResult) -> None:
         return
     per_table = ", ".join(f"{table} {n}" for table, n in result.quarantined.items())
     moved = f"{verb} move" if verb else "moved"
-    out.print(text(f"{moved} {_count(result.count, 'row')} ({per_table}) to {result.quarantine_file}"))
+    out.print(text(f"{moved} {counted(result.count, 'row')} ({per_table}) to {result.quarantine_file}"))
     for problem in result.problems:
         out.print(text(f"  {problem}"))
 
 
 def _ago(now: datetime, then: datetime | None) -> str:
     return f"{(now - then).total_seconds():.0f} s ago" if then is not None else "-"
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def show_progress(out: Console, progress: Progress) -> None:
@@ -202,10 +199,10 @@ def show_progress(out: Console, progress: Progress) -> None:
                        "use and of imports are not registered: `kvsplit db stats` counts them)"))
         return
     out.print(text(
-        f"{progress.url}: {_count(progress.keys, 'key')}: {progress.done} done, {progress.claimed} claimed, "
+        f"{progress.url}: {counted(progress.keys, 'key')}: {progress.done} done, {progress.claimed} claimed, "
         f"{progress.failed} failed, {progress.left} left"
         + (f" ({progress.expired} with an expired lease, claimable)" if progress.expired else "")
-        + f"; {_count(progress.attempts, 'attempt')}"
+        + f"; {counted(progress.attempts, 'attempt')}"
     ))
     if progress.workers:
         workers = Table(title="workers holding claims (owner = host/pid/device)", box=box.SIMPLE_HEAD)

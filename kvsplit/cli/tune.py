@@ -19,7 +19,7 @@ from rich.text import Text
 from .. import installed
 from ..config import KernelConfig
 from .kit import DatabaseProblem, db_option, storing_db_url
-from ..terminal import text
+from ..terminal import counted, text
 
 def _ints(ctx, param, value: str) -> list[int]:
     try:
@@ -266,7 +266,8 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     with open_store(db_url, config_type=KernelConfig) as store:  # fail fast, with the store's message, on a bad database
         damage = store.damage()
     if damage:
-        warnings.warn(f"{store.url}: {len(damage)} row{'' if len(damage) == 1 else 's'} do not parse; tuning goes on and re-tunes any "
+        verb = "does" if len(damage) == 1 else "do"
+        warnings.warn(f"{store.url}: {counted(len(damage), 'row')} {verb} not parse; tuning goes on and re-tunes any "
                       f"key among them; {REPAIR_HINT}", DbWarning, stacklevel=1)
     # Pending keys are profiled at their own values; a grid's at the values it names.
     keys, shapes = ((pending_keys.load(), {}) if pending

@@ -109,6 +109,20 @@ def test_stats_table_and_json(filled):
     assert {b["build_hash"]: b["stale"] for b in current["builds"]} == {"build-a": False, "build-b": True}
 
 
+def test_a_count_of_one_is_singular(db_url, tmp_path):
+    with open_store(db_url) as store:
+        store.import_records([make_record(winner=2)])
+    outputs = {
+        "stats": run("--db", db_url, "stats").stdout,
+        "list": run("--db", db_url, "list").stdout,
+        "export": run("--db", db_url, "export", "--out", str(tmp_path / "one.json")).output,
+        "prune": run("--db", db_url, "prune", "--stale-builds", "--dry-run").output,
+    }
+    assert "1 tuning result," in outputs["stats"] and "1 tuning result" in outputs["list"]
+    assert "exported 1 tuning result to" in outputs["export"] and "would delete 1 tuning result" in outputs["prune"]
+    assert all("1 tuning results" not in text for text in outputs.values()), outputs
+
+
 def test_export_import_round_trip_through_files_and_stdout(filled, tmp_path):
     path = tmp_path / "out.json"
     result = run("--db", filled, "export", "--out", str(path), "--device", "h200")

@@ -150,7 +150,8 @@ def test_home_is_expanded_and_shown_as_written(place):
     assert kvsplit_cli("db", "import", str(place.export), "--db", "~/tuning.sqlite").code == 0
     assert (place.tmp / "home" / "tuning.sqlite").exists()
     info = kvsplit_cli("info", "--db", "~/tuning.sqlite")
-    assert info.code == 0 and "~/tuning.sqlite" in info.out and "ok, 1 tuning results" in info.out
+    assert info.code == 0 and "~/tuning.sqlite" in info.out and "ok, 1 tuning result" in info.out
+    assert "1 tuning results" not in info.out
 
 
 # -- merges: a bad target is one warning and memory; an in-memory one never touches a file -----

@@ -13,8 +13,10 @@ json writes the exact string, escaped by JSON's rules.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from rich.text import Text
+if TYPE_CHECKING:
+    from rich.text import Text
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
 
@@ -41,9 +43,13 @@ def counted(number: int, noun: str) -> str:
 
 def text(value: object, style: str = "") -> Text:
     """``value`` as a rich :class:`~rich.text.Text`: shown literally, markup and all."""
+    from rich.text import Text  # rich loads with the commands that render, not with the plain helpers above
+
     return Text(printable(value), style=style)
 
 
 def labelled(label: str, value: object, width: int = 12) -> Text:
     """``label`` in bold, padded to ``width``, then ``value`` as data."""
+    from rich.text import Text
+
     return Text.assemble((label, "bold"), " " * max(1, width - len(label)), text(value))

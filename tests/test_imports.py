@@ -46,6 +46,8 @@ def test_the_first_merge_opens_the_store(tmp_path):
                           "kvsplit.merge_lse(torch.randn(2, 4, 64).bfloat16(), torch.randn(2, 4))",
                           tmp_path / "tuning.sqlite")
     assert "sqlalchemy" in loaded
+    # A library's merge, first-use tuning included, renders nothing: the commands' libraries stay out.
+    assert not {"rich", "click", "matplotlib"} & loaded
 
 
 # -- layers ---------------------------------------------------------------------------------

@@ -104,6 +104,24 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
+// The epilogue of a plain call whose output is in the partials' dtype and
+// that has no sinks: the same values as finalize_and_store, without its
+// branches for sinks, FP8 scales and other output dtypes (an LSE row's
+// denominator lies in [1, N], so finalize_lse needs no range check).
+template <int kVec, DType kOut, StatsFormat kFormat>
+__device__ __forceinline__ void store_lean(const MergeParams& p, const MergeState<kVec>& state,
+                                           const RowIndex& at, int col, bool holds) {
+  float out[kVec], log2_rel;
+  const float total = kFormat == StatsFormat::kLse
+                          ? state.finalize_lse(out, log2_rel)
+                          : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
+  if (!holds) return;
+  store_out<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
+  if (p.out_stats != nullptr && col == 0) {
+    export_stats<kFormat>(p, state, at, total, neg_inf(), log2_rel, nullptr);
+  }
+}
+
 // kPlain: flat rows, no row mask, no split counts, no empty-split sentinel, a
 // positive scale and element offsets of 32 bits (dsplit_plain checks), so
 // nothing stands between the row index and the first load, a load's address is
@@ -132,6 +150,8 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
 
   pdl_wait();
   const float out_scale = load_out_scale(p);
+  // Uniform over the grid: a plain call writing its partials' dtype without sinks.
+  const bool lean_out = kPlain && p.sinks == nullptr && p.out_dtype == kPartial;
   const auto items = static_cast<Index>(geo.items);
   for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
                                                                          geo.kv_split_log2));
@@ -210,7 +230,9 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
       if (warps > 1) __syncthreads();
       else __syncwarp();
     }
-    if (thread < lanes) {
+    if (thread < lanes && lean_out) {
+      store_lean<kVec, kPartial, kFormat>(p, state, at, col, holds);
+    } else if (thread < lanes) {
       finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
                                         lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u,
                                         out_scale, pass_stats);

@@ -104,11 +104,31 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
+// The epilogue of a plain call whose output is in the partials' dtype and
+// that has no sinks: the same values as finalize_and_store, without its
+// branches for sinks, FP8 scales and other output dtypes (an LSE row's
+// denominator lies in [1, N], so finalize_lse needs no range check).
+template <int kVec, DType kOut, StatsFormat kFormat>
+__device__ __forceinline__ void store_lean(const MergeParams& p, const MergeState<kVec>& state,
+                                           const RowIndex& at, int col, bool holds) {
+  float out[kVec], log2_rel;
+  const float total = kFormat == StatsFormat::kLse
+                          ? state.finalize_lse(out, log2_rel)
+                          : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
+  if (!holds) return;
+  store_out<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
+  if (p.out_stats != nullptr && col == 0) {
+    export_stats<kFormat>(p, state, at, total, neg_inf(), log2_rel, nullptr);
+  }
+}
+
 // kPlain: flat rows, no row mask, no split counts, no empty-split sentinel, a
 // positive scale and element offsets of 32 bits (dsplit_plain checks), so
 // nothing stands between the row index and the first load, a load's address is
 // one multiply-add and a stat goes into the merge as loaded.
-template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain>
+// kLean (plain calls only): the output in the partials' dtype and no sinks, so
+// the epilogue is store_lean's alone (launch_dsplit_typed decides).
+template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain, bool kLean>
 __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPlain>)
     dsplit_kernel(const DsplitGeometry geo, const MergeParams p) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
@@ -131,7 +151,8 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
   const int per_cta = 1 << geo.items_per_cta_log2;
 
   pdl_wait();
-  const float out_scale = load_out_scale(p);
+  static_assert(kPlain || !kLean, "a lean kernel is a plain one");
+  const float out_scale = kLean ? 1.f : load_out_scale(p);
   const auto items = static_cast<Index>(geo.items);
   for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
                                                                          geo.kv_split_log2));
@@ -210,7 +231,9 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
       if (warps > 1) __syncthreads();
       else __syncwarp();
     }
-    if (thread < lanes) {
+    if constexpr (kLean) {
+      if (thread < lanes) store_lean<kVec, kPartial, kFormat>(p, state, at, col, holds);
+    } else if (thread < lanes) {
       finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
                                         lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u,
                                         out_scale, pass_stats);
@@ -257,12 +280,12 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
   Status status;
   cudaError_t error = cudaSuccess;
   const bool plain = dsplit_plain(p, geo);
+  const bool lean = plain && p.sinks == nullptr && p.out_dtype == kPartial;
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
-    error = plain ? cudaLaunchKernelEx(&launch.config,
-                                       dsplit_kernel<kPartial, kFormat, kDepth, true>, geo, p)
-                  : cudaLaunchKernelEx(&launch.config,
-                                       dsplit_kernel<kPartial, kFormat, kDepth, false>, geo,
-                                       p);
+    const auto kernel = lean    ? dsplit_kernel<kPartial, kFormat, kDepth, true, true>
+                        : plain ? dsplit_kernel<kPartial, kFormat, kDepth, true, false>
+                                : dsplit_kernel<kPartial, kFormat, kDepth, false, false>;
+    error = cudaLaunchKernelEx(&launch.config, kernel, geo, p);
   })
   return error != cudaSuccess ? fail(Error::kCuda, error) : status;
 }

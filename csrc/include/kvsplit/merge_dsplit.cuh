@@ -104,18 +104,24 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
-// The epilogue of a plain call whose output is in the partials' dtype and
-// that has no sinks: the same values as finalize_and_store, without its
-// branches for sinks, FP8 scales and other output dtypes (an LSE row's
-// denominator lies in [1, N], so finalize_lse needs no range check).
+// The epilogue of a plain call without sinks whose output dtype is kOut (any
+// but e4m3fnuz; FP8 with one scale, no group scales): the same values as
+// finalize_and_store, without its branches for sinks, group scales and other
+// output dtypes (an LSE row's denominator lies in [1, N], so finalize_lse
+// needs no range check). `inverse_scale`: 1 / the FP8 scale.
 template <int kVec, DType kOut, StatsFormat kFormat>
 __device__ __forceinline__ void store_lean(const MergeParams& p, const MergeState<kVec>& state,
-                                           const RowIndex& at, int col, bool holds) {
+                                           const RowIndex& at, int col, bool holds,
+                                           float inverse_scale) {
   float out[kVec], log2_rel;
   const float total = kFormat == StatsFormat::kLse
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (!holds) return;
+  if constexpr (is_fp8(kOut)) {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse_scale);
+  }
   store_out<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
   if (p.out_stats != nullptr && col == 0) {
     export_stats<kFormat>(p, state, at, total, neg_inf(), log2_rel, nullptr);
@@ -126,9 +132,10 @@ __device__ __forceinline__ void store_lean(const MergeParams& p, const MergeStat
 // positive scale and element offsets of 32 bits (dsplit_plain checks), so
 // nothing stands between the row index and the first load, a load's address is
 // one multiply-add and a stat goes into the merge as loaded.
-// kLean (plain calls only): the output in the partials' dtype and no sinks, so
-// the epilogue is store_lean's alone (launch_dsplit_typed decides).
-template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain, bool kLean>
+// kLean (plain calls only): no sinks and an output of dtype kOut, so the
+// epilogue is store_lean's alone (dsplit_lean decides).
+template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain, bool kLean,
+          DType kOut = kPartial>
 __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPlain>)
     dsplit_kernel(const DsplitGeometry geo, const MergeParams p) {
   constexpr int kVec = kDsplitLaneBytes / elem_bytes<kPartial>();
@@ -152,7 +159,8 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
 
   pdl_wait();
   static_assert(kPlain || !kLean, "a lean kernel is a plain one");
-  const float out_scale = kLean ? 1.f : load_out_scale(p);
+  const float out_scale = kLean && !is_fp8(kOut) ? 1.f : load_out_scale(p);
+  const float inverse_scale = kLean && is_fp8(kOut) ? 1.f / out_scale : 1.f;
   const auto items = static_cast<Index>(geo.items);
   for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
                                                                          geo.kv_split_log2));
@@ -232,7 +240,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
       else __syncwarp();
     }
     if constexpr (kLean) {
-      if (thread < lanes) store_lean<kVec, kPartial, kFormat>(p, state, at, col, holds);
+      if (thread < lanes) store_lean<kVec, kOut, kFormat>(p, state, at, col, holds, inverse_scale);
     } else if (thread < lanes) {
       finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
                                         lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u,
@@ -262,6 +270,14 @@ inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
          span(p.stats_stride_split, p.stats_row.head, 2) < kLimit;
 }
 
+// Whether a plain call takes a lean kernel: no sinks, and an output dtype with
+// a lean instance (every one but e4m3fnuz, converted in software; FP8 with one
+// scale for the tensor, no group scales).
+inline bool dsplit_lean(const MergeParams& p) {
+  return p.sinks == nullptr && p.group_scales == nullptr &&
+         static_cast<int>(p.out_dtype) <= static_cast<int>(DType::kFloat8E4M3FN);
+}
+
 // Launches a checked DSplit config (check_config) on rows > 0.
 template <DType kPartial, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
@@ -280,9 +296,19 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
   Status status;
   cudaError_t error = cudaSuccess;
   const bool plain = dsplit_plain(p, geo);
-  const bool lean = plain && p.sinks == nullptr && p.out_dtype == kPartial;
+  const bool lean = plain && dsplit_lean(p);
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
-    const auto kernel = lean    ? dsplit_kernel<kPartial, kFormat, kDepth, true, true>
+    static_assert(static_cast<int>(DType::kBFloat16) == 0 &&
+                      static_cast<int>(DType::kFloat16) == 1 &&
+                      static_cast<int>(DType::kFloat32) == 2 &&
+                      static_cast<int>(DType::kFloat8E4M3FN) == 3,
+                  "the lean kernels below are in DType order");
+    void (*const lean_kernels[])(DsplitGeometry, MergeParams) = {
+        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kBFloat16>,
+        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kFloat16>,
+        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kFloat32>,
+        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kFloat8E4M3FN>};
+    const auto kernel = lean    ? lean_kernels[static_cast<int>(p.out_dtype)]
                         : plain ? dsplit_kernel<kPartial, kFormat, kDepth, true, false>
                                 : dsplit_kernel<kPartial, kFormat, kDepth, false, false>;
     error = cudaLaunchKernelEx(&launch.config, kernel, geo, p);

@@ -13,9 +13,10 @@
 #   TUNE_TIMEOUT_S bounds each tune stage's tuner (resumable; what it stored is exported).
 #   The tuning database of the run is $KVSPLIT_DB (default /tmp/kvsplit-tune.sqlite); the tune
 #   stages each write one of their own, whose export holds their grid's keys alone.
-#   Builds made elsewhere save device time: with .kvbuild/kv (and .kvbuild/ptx80) carried,
-#   `pip install --target` trees of this commit for the device's Python, build and ptx80
-#   take them instead of compiling (benchmarks/prebuild.sh makes them on a machine with nvcc).
+#   Builds made elsewhere save device time: with .kvbuild/kv (or kv.tar.xz, its contents
+#   compressed: a sixth of the size) and .kvbuild/ptx80 carried, `pip install --target` trees
+#   of this commit for the device's Python, build and ptx80 take them instead of compiling
+#   (benchmarks/prebuild.sh makes them on a machine with nvcc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvsplit-out}
@@ -45,6 +46,9 @@ for stage in "${stages[@]}"; do
     build)
       if [ -d .kvbuild/kv ]; then
         rm -rf /tmp/kv && cp -r .kvbuild/kv /tmp/kv && echo "prebuilt: .kvbuild/kv of $(cat .kvbuild/SOURCE 2>/dev/null)" | tee -a "$LOG"
+      elif [ -f .kvbuild/kv.tar.xz ]; then
+        rm -rf /tmp/kv && mkdir -p /tmp/kv && tar xJf .kvbuild/kv.tar.xz -C /tmp/kv &&
+          echo "prebuilt: .kvbuild/kv.tar.xz of $(cat .kvbuild/SOURCE 2>/dev/null)" | tee -a "$LOG"
       else
         python3 -m pip install -v --no-build-isolation --no-deps --target /tmp/kv . \
           > /tmp/kvsplit-build.log 2>&1 || { tail -40 /tmp/kvsplit-build.log | tee -a "$LOG"; exit 1; }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds on this machine (nvcc, no GPU needed) what benchmarks/gpu_check.sh would
 # otherwise compile on the device, for the device's Python (3.12 by default):
-#   .kvbuild/kv      the source build (sm_90a machine code, kvsplit._bench included)
+#   .kvbuild/kv.tar.xz  the source build (sm_90a machine code, kvsplit._bench included),
+#                    compressed (a sixth of its 46 MB: a run's files travel within 64 MiB)
 #   .kvbuild/ptx80   the PTX-only build (compute_80) for the ptx80 stage
 #   .kvbuild/dist    the binary wheel (packaging/build_wheel.sh), with --wheel
 # Carry .kvbuild (ignored by git); `echo /.kvbuild/ >> .git/info/exclude` once.
@@ -20,7 +21,7 @@ done
 command -v "$py" >/dev/null || { echo "prebuild.sh: no $py (give the device's Python with --python)" >&2; exit 2; }
 "$py" -c "import scikit_build_core, pybind11" 2>/dev/null ||
   "$py" -m pip install -q scikit-build-core pybind11 cmake ninja
-rm -rf .kvbuild/kv .kvbuild/ptx80
+rm -rf .kvbuild/kv .kvbuild/kv.tar.xz .kvbuild/ptx80
 "$py" -m pip install -q --no-build-isolation --no-deps --target .kvbuild/kv \
   -C build-dir=build/prebuild-kv .
 CUDAARCHS=80-virtual "$py" -m pip install -q --no-build-isolation --no-deps \
@@ -29,5 +30,6 @@ if [ $wheel -eq 1 ]; then
   rm -rf .kvbuild/dist
   packaging/build_wheel.sh --no-isolation --python "$py" --out .kvbuild/dist
 fi
+tar cJf .kvbuild/kv.tar.xz --exclude=__pycache__ -C .kvbuild/kv . && rm -rf .kvbuild/kv
 git describe --always --dirty > .kvbuild/SOURCE
 du -sh .kvbuild/*; echo "source: $(cat .kvbuild/SOURCE)"

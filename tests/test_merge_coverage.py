@@ -93,11 +93,11 @@ def test_head_dims_and_output_dtypes_match_reference(device, fmt, head_dim, dtyp
     gen = merge_kit.generator("coverage", fmt, head_dim, str(dtype), with_sinks)
     num_splits, rows, heads = int(torch.randint(2, 40, (), generator=gen)), 12, 4
     partial_o, stats = merge_kit.partials(fmt, num_splits, rows, head_dim, dtype, gen)
-    sinks = torch.randn(heads, generator=gen).to(device) if with_sinks else None
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
     scale = merge_kit.scale_log2(gen)
-    ref_out, ref_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale,
-                                             sinks=None if sinks is None else sinks.cpu())
+    ref_out, ref_stats = merge_kit.reference(fmt, partial_o, stats, scale=scale, sinks=sinks)
     partial_o, stats = partial_o.to(device), stats.to(device)
+    sinks = sinks.to(device) if with_sinks else None
     for config in some_configs(head_dim, dtype, num_splits, device, gen):
         pin(monkeypatch, config)
         for out_dtype in (torch.bfloat16, torch.float16, torch.float32):

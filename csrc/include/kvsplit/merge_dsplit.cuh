@@ -108,17 +108,23 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 // but e4m3fnuz; FP8 with one scale, no group scales): the same values as
 // finalize_and_store, without its branches for sinks, group scales and other
 // output dtypes (an LSE row's denominator lies in [1, N], so finalize_lse
-// needs no range check). `inverse_scale`: 1 / the FP8 scale.
+// needs no range check). `out_scale`: load_out_scale's, loaded before the
+// merge and inverted here, after it, so that no partial's load waits for it.
 template <int kVec, DType kOut, StatsFormat kFormat>
 __device__ __forceinline__ void store_lean(const MergeParams& p, const MergeState<kVec>& state,
                                            const RowIndex& at, int col, bool holds,
-                                           float inverse_scale) {
+                                           float out_scale) {
   float out[kVec], log2_rel;
   const float total = kFormat == StatsFormat::kLse
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   if (!holds) return;
   if constexpr (is_fp8(kOut)) {
+    // 1 / out_scale, rounded as `/` rounds it, but as a volatile instruction:
+    // a plain division is loop-invariant, and the compiler hoisted it ahead
+    // of the first partial's load, which then waited for the scale's load.
+    float inverse_scale;
+    asm volatile("rcp.rn.f32 %0, %1;" : "=f"(inverse_scale) : "f"(out_scale));
 #pragma unroll
     for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse_scale);
   }
@@ -160,7 +166,6 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
   pdl_wait();
   static_assert(kPlain || !kLean, "a lean kernel is a plain one");
   const float out_scale = kLean && !is_fp8(kOut) ? 1.f : load_out_scale(p);
-  const float inverse_scale = kLean && is_fp8(kOut) ? 1.f / out_scale : 1.f;
   const auto items = static_cast<Index>(geo.items);
   for (Index item = Index(blockIdx.x) * per_cta + Index(threadIdx.x >> (geo.lanes_log2 +
                                                                          geo.kv_split_log2));
@@ -240,7 +245,7 @@ __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPla
       else __syncwarp();
     }
     if constexpr (kLean) {
-      if (thread < lanes) store_lean<kVec, kOut, kFormat>(p, state, at, col, holds, inverse_scale);
+      if (thread < lanes) store_lean<kVec, kOut, kFormat>(p, state, at, col, holds, out_scale);
     } else if (thread < lanes) {
       finalize_and_store<kVec, kFormat>(p, state, at, col, holds,
                                         lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u,

@@ -278,6 +278,42 @@ __device__ __forceinline__ void finalize_and_store(const MergeParams& p,
   }
 }
 
+// The epilogue of a call without sinks, pass-through rows or group scales
+// whose output dtype is kOut (any but e4m3fnuz; FP8 with one scale): the
+// same values as finalize_and_store, without its branches for sinks, group
+// scales and other output dtypes (an LSE row's denominator lies in [1, N],
+// so finalize_lse needs no range check). `out_scale`: load_out_scale's,
+// loaded before the merge and inverted here, after it, so that no partial's
+// load waits for it.
+template <int kVec, DType kOut, StatsFormat kFormat>
+__device__ __forceinline__ void store_lean(const MergeParams& p, const MergeState<kVec>& state,
+                                           const RowIndex& at, int col, bool active,
+                                           float out_scale) {
+  float out[kVec], log2_rel;
+  const float total = kFormat == StatsFormat::kLse
+                          ? state.finalize_lse(out, log2_rel)
+                          : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
+  if (!active) return;
+  if constexpr (is_fp8(kOut)) {
+    // 1 / out_scale, rounded as `/` rounds it, but as a volatile instruction:
+    // a plain division is loop-invariant, and the compiler hoisted it ahead
+    // of the first partial's load, which then waited for the scale's load.
+    float inverse_scale;
+    asm volatile("rcp.rn.f32 %0, %1;" : "=f"(inverse_scale) : "f"(out_scale));
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse_scale);
+  }
+  store_out<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
+  if (p.out_stats != nullptr && col == 0) {
+    export_stats<kFormat>(p, state, at, total, neg_inf(), log2_rel, nullptr);
+  }
+}
+
+// Whether a call's rows can end in store_lean (the output dtype aside).
+inline bool lean_epilogue(const MergeParams& p) {
+  return p.sinks == nullptr && p.group_scales == nullptr && p.pass_through_tokens == INT64_MAX;
+}
+
 // Programmatic dependent launch: wait for the producer's writes before the
 // first load; let the next kernel start its prologue once our loads are done.
 __device__ __forceinline__ void pdl_wait() {

@@ -104,36 +104,6 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
   for (int v = 0; v < kVec; ++v) parked[(2 + v) * stride + slot] = state.acc[v];
 }
 
-// The epilogue of a plain call without sinks whose output dtype is kOut (any
-// but e4m3fnuz; FP8 with one scale, no group scales): the same values as
-// finalize_and_store, without its branches for sinks, group scales and other
-// output dtypes (an LSE row's denominator lies in [1, N], so finalize_lse
-// needs no range check). `out_scale`: load_out_scale's, loaded before the
-// merge and inverted here, after it, so that no partial's load waits for it.
-template <int kVec, DType kOut, StatsFormat kFormat>
-__device__ __forceinline__ void store_lean(const MergeParams& p, const MergeState<kVec>& state,
-                                           const RowIndex& at, int col, bool holds,
-                                           float out_scale) {
-  float out[kVec], log2_rel;
-  const float total = kFormat == StatsFormat::kLse
-                          ? state.finalize_lse(out, log2_rel)
-                          : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
-  if (!holds) return;
-  if constexpr (is_fp8(kOut)) {
-    // 1 / out_scale, rounded as `/` rounds it, but as a volatile instruction:
-    // a plain division is loop-invariant, and the compiler hoisted it ahead
-    // of the first partial's load, which then waited for the scale's load.
-    float inverse_scale;
-    asm volatile("rcp.rn.f32 %0, %1;" : "=f"(inverse_scale) : "f"(out_scale));
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) out[v] = fp8_prepare(out[v], inverse_scale);
-  }
-  store_out<kVec, kOut>(p.out, p.out_row.at(at) + col, out);
-  if (p.out_stats != nullptr && col == 0) {
-    export_stats<kFormat>(p, state, at, total, neg_inf(), log2_rel, nullptr);
-  }
-}
-
 // kPlain: flat rows, no row mask, no split counts, no empty-split sentinel, a
 // positive scale and element offsets of 32 bits (dsplit_plain checks), so
 // nothing stands between the row index and the first load, a load's address is
@@ -279,7 +249,7 @@ inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
 // a lean instance (every one but e4m3fnuz, converted in software; FP8 with one
 // scale for the tensor, no group scales).
 inline bool dsplit_lean(const MergeParams& p) {
-  return p.sinks == nullptr && p.group_scales == nullptr &&
+  return lean_epilogue(p) &&
          static_cast<int>(p.out_dtype) <= static_cast<int>(DType::kFloat8E4M3FN);
 }
 

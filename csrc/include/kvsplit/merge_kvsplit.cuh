@@ -27,8 +27,10 @@ constexpr int kLoadUnroll = KVSPLIT_LOAD_UNROLL;
 // One band of rows per CTA iteration: each group of 512 / K threads holds
 // rows_per_band whole rows of threads_per_row threads (16 bytes each); the
 // threads past them idle. The head dim is a runtime value, so one kernel per
-// K serves every head dim.
-template <DType kPartial, StatsFormat kFormat, int kKvSplit>
+// K serves every head dim. kLean: the call's output is in the partials' dtype
+// and its rows end in store_lean (lean_epilogue), not finalize_and_store's
+// branches for sinks, pass-through rows, FP8 scales and other output dtypes.
+template <DType kPartial, StatsFormat kFormat, int kKvSplit, bool kLean>
 __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     merge_kernel(int64_t num_bands, int threads_per_row, int rows_per_band, const MergeParams p) {
   constexpr int kVec = kBytesPerThread / elem_bytes<kPartial>();
@@ -46,7 +48,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
   const int col = (lane - row_in_band * threads_per_row) * kVec;
 
   pdl_wait();
-  const float out_scale = load_out_scale(p);
+  const float out_scale = kLean ? 1.f : load_out_scale(p);
   for (int64_t band = blockIdx.x; band < num_bands; band += gridDim.x) {
     const int64_t row = band * rows_per_band + row_in_band;
     const RowIndex at = locate_row(p, row);
@@ -57,7 +59,7 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     if (active) splits = row_splits(p, at, row);
     const int num_splits = splits.count;
     const float* pass_stats = nullptr;
-    if (splits.pass) {
+    if (!kLean && splits.pass) {
       if (group == 0) pass_stats = load_pass_through<kVec, kPartial, kFormat>(p, state, at, splits.begin, col);
     } else if (group < num_splits) {
       // Walk partials group, group + K, ... with cursors, kLoadUnroll at a
@@ -136,8 +138,12 @@ __global__ void __launch_bounds__(kThreadsPerCta, KVSPLIT_MIN_CTAS)
     // With K > 1 the barrier above already orders every read before the export.
     if (kKvSplit == 1 && p.stats_in_place) __syncthreads();
     if (group == 0) {
-      finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu, out_scale,
-                                        pass_stats);
+      if constexpr (kLean) {
+        store_lean<kVec, kPartial, kFormat>(p, state, at, col, active, out_scale);
+      } else {
+        finalize_and_store<kVec, kFormat>(p, state, at, col, active, 0xffffffffu, out_scale,
+                                          pass_stats);
+      }
     }
     // parked_* is reused by the next band; most small calls have none.
     if (kKvSplit > 1 && band + gridDim.x < num_bands) __syncthreads();
@@ -152,7 +158,10 @@ cudaError_t launch_kvsplit_config(const MergeParams& p, int sm_count, bool pdl, 
   const int64_t grid_cap = static_cast<int64_t>(kCtasPerSm) * (sm_count > 0 ? sm_count : 1);
   PdlLaunch launch(static_cast<unsigned>(num_bands < grid_cap ? num_bands : grid_cap),
                    kThreadsPerCta, 0, stream, pdl);
-  return cudaLaunchKernelEx(&launch.config, merge_kernel<kPartial, kFormat, kKvSplit>,
+  const bool lean = lean_epilogue(p) && p.out_dtype == kPartial;
+  return cudaLaunchKernelEx(&launch.config,
+                            lean ? merge_kernel<kPartial, kFormat, kKvSplit, true>
+                                 : merge_kernel<kPartial, kFormat, kKvSplit, false>,
                             num_bands, threads_per_row, rows_per_band, p);
 }
 

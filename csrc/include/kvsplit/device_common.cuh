@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvsplit/merge_math.h"
 #include "kvsplit/out_convert.h"
@@ -312,6 +313,30 @@ __device__ __forceinline__ void store_lean(const MergeParams& p, const MergeStat
 // Whether a call's rows can end in store_lean (the output dtype aside).
 inline bool lean_epilogue(const MergeParams& p) {
   return p.sinks == nullptr && p.group_scales == nullptr && p.pass_through_tokens == INT64_MAX;
+}
+
+// The output dtypes with lean kernel instances: every one check_problem admits
+// but e4m3fnuz (converted in software: instances of their own were an eighth
+// of the extension's machine code).
+inline bool has_lean_instance(DType out) {
+  return static_cast<int>(out) <= static_cast<int>(DType::kFloat8E4M3FN);
+}
+
+// A lean kernel's instance for the call's output dtype (has_lean_instance):
+// `instance(out)`, `out` a std::integral_constant<DType, ...>, names the
+// instance of each.
+template <typename Instance>
+auto lean_instance(DType out, Instance instance) {
+  using D = DType;
+  static_assert(static_cast<int>(D::kBFloat16) == 0 && static_cast<int>(D::kFloat16) == 1 &&
+                    static_cast<int>(D::kFloat32) == 2 && static_cast<int>(D::kFloat8E4M3FN) == 3,
+                "the instances below are in DType order");
+  const decltype(instance(std::integral_constant<D, D::kBFloat16>{})) instances[] = {
+      instance(std::integral_constant<D, D::kBFloat16>{}),
+      instance(std::integral_constant<D, D::kFloat16>{}),
+      instance(std::integral_constant<D, D::kFloat32>{}),
+      instance(std::integral_constant<D, D::kFloat8E4M3FN>{})};
+  return instances[static_cast<int>(out)];
 }
 
 // Programmatic dependent launch: wait for the producer's writes before the

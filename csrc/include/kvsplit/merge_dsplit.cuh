@@ -109,7 +109,7 @@ __device__ __forceinline__ void park(float* parked, int stride, int slot,
 // nothing stands between the row index and the first load, a load's address is
 // one multiply-add and a stat goes into the merge as loaded.
 // kLean (plain calls only): no sinks and an output of dtype kOut, so the
-// epilogue is store_lean's alone (dsplit_lean decides).
+// epilogue is store_lean's alone (launch_dsplit_typed decides).
 template <DType kPartial, StatsFormat kFormat, int kDepth, bool kPlain, bool kLean,
           DType kOut = kPartial>
 __global__ void __launch_bounds__(kDsplitMaxThreads, kDsplitMinCtas<kDepth, kPlain>)
@@ -245,14 +245,6 @@ inline bool dsplit_plain(const MergeParams& p, const DsplitGeometry& geo) {
          span(p.stats_stride_split, p.stats_row.head, 2) < kLimit;
 }
 
-// Whether a plain call takes a lean kernel: no sinks, and an output dtype with
-// a lean instance (every one but e4m3fnuz, converted in software; FP8 with one
-// scale for the tensor, no group scales).
-inline bool dsplit_lean(const MergeParams& p) {
-  return lean_epilogue(p) &&
-         static_cast<int>(p.out_dtype) <= static_cast<int>(DType::kFloat8E4M3FN);
-}
-
 // Launches a checked DSplit config (check_config) on rows > 0.
 template <DType kPartial, StatsFormat kFormat>
 Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, bool pdl,
@@ -271,21 +263,15 @@ Status launch_dsplit_typed(const MergeParams& p, const KernelConfig& config, boo
   Status status;
   cudaError_t error = cudaSuccess;
   const bool plain = dsplit_plain(p, geo);
-  const bool lean = plain && dsplit_lean(p);
+  // A plain call whose rows end in store_lean takes the lean kernel of its output dtype.
+  const bool lean = plain && lean_epilogue(p) && has_lean_instance(p.out_dtype);
   KVSPLIT_DISPATCH_DSPLIT_DEPTH(config.depth, kDepth, status, {
-    static_assert(static_cast<int>(DType::kBFloat16) == 0 &&
-                      static_cast<int>(DType::kFloat16) == 1 &&
-                      static_cast<int>(DType::kFloat32) == 2 &&
-                      static_cast<int>(DType::kFloat8E4M3FN) == 3,
-                  "the lean kernels below are in DType order");
-    void (*const lean_kernels[])(DsplitGeometry, MergeParams) = {
-        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kBFloat16>,
-        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kFloat16>,
-        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kFloat32>,
-        dsplit_kernel<kPartial, kFormat, kDepth, true, true, DType::kFloat8E4M3FN>};
-    const auto kernel = lean    ? lean_kernels[static_cast<int>(p.out_dtype)]
-                        : plain ? dsplit_kernel<kPartial, kFormat, kDepth, true, false>
-                                : dsplit_kernel<kPartial, kFormat, kDepth, false, false>;
+    const auto kernel =
+        lean    ? lean_instance(p.out_dtype, [&](auto out) {
+                    return dsplit_kernel<kPartial, kFormat, kDepth, true, true, decltype(out)::value>;
+                  })
+        : plain ? dsplit_kernel<kPartial, kFormat, kDepth, true, false>
+                : dsplit_kernel<kPartial, kFormat, kDepth, false, false>;
     error = cudaLaunchKernelEx(&launch.config, kernel, geo, p);
   })
   return error != cudaSuccess ? fail(Error::kCuda, error) : status;

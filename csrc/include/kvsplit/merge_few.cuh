@@ -378,12 +378,9 @@ inline bool row_offsets_fit(const RowStrides& s, int64_t tokens, int64_t heads, 
 // head), each row's offsets within 32 bits, and `heads` the heads per token.
 inline bool few_lean_rows(const MergeParams& p, int64_t threads, MergeParams& lean,
                           uint32_t& heads) {
-  // e4m3fnuz outputs (converted in software) take the general kernel: lean
-  // instances of their own were an eighth of the extension's machine code.
   if (p.row_mask != nullptr || p.split_counts != nullptr || p.indptr != nullptr ||
-      p.pass_through_tokens != INT64_MAX || p.sinks != nullptr || p.group_scales != nullptr ||
+      !lean_epilogue(p) || !has_lean_instance(p.out_dtype) ||
       p.request_starts != nullptr || p.pair_stats ||
-      p.out_dtype == DType::kFloat8E4M3FNUZ ||
       threads > kFewMaxGridThreads || p.heads < 1 || p.heads > INT32_MAX || p.seqlen < 1) {
     return false;
   }
@@ -541,20 +538,9 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
-          // One instance per output dtype, indexed by its code: the four
-          // that check_problem admits but e4m3fnuz, which few_lean_rows sends
-          // to the general kernel.
-          static_assert(static_cast<int>(DType::kBFloat16) == 0 &&
-                            static_cast<int>(DType::kFloat16) == 1 &&
-                            static_cast<int>(DType::kFloat32) == 2 &&
-                            static_cast<int>(DType::kFloat8E4M3FN) == 3,
-                        "the lean kernels below are in DType order");
-          void (*const kernels[])(FewLeanParams) = {
-              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kBFloat16>,
-              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat16>,
-              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat32>,
-              few_lean_kernel<kPartial, kFormat, kDepth, kVectors, DType::kFloat8E4M3FN>};
-          const auto kernel = kernels[static_cast<int>(p.out_dtype)];
+          const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
+            return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, decltype(out)::value>;
+          });
           error = cudaLaunchKernelEx(&launch.config, kernel, few_lean_params(lean, heads, geo));
         }
       } else {

@@ -429,4 +429,4 @@ def plot(ctx: click.Context, out_path: Path, **filters: Any) -> None:
     except OSError as exc:
         raise InvalidInput(f"cannot write {out_path}: {exc.strerror or exc}") from None
     more = f" (first {MAX_GROUPS} groups only; use filters)" if groups == MAX_GROUPS else ""
-    click.echo(f"wrote {printable(out_path)}: {groups} group{'' if groups == 1 else 's'}, {len(records)} result{'' if len(records) == 1 else 's'}{more}", err=True)
+    click.echo(f"wrote {printable(out_path)}: {counted(groups, 'group')}, {counted(len(records), 'result')}{more}", err=True)

@@ -384,6 +384,53 @@ def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch)
                                        ref_lse.float().double(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["lse", "maxsum"])
+@pytest.mark.parametrize("partial_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_two_states_take_the_pair_instance_with_the_general_bits(device, fmt, partial_dtype,
+                                                                  monkeypatch):
+    """Exactly two states a row at one vector a thread take the lean kernel's pair instance
+    (its threads past the rows leave first, its round written out for two states); the same
+    call with ``pass_through_from`` at the token count (no row passes through) takes the
+    general kernel. The same bits, output and exported stats, in every layout, with empty
+    states, a whole empty row, a NaN stat and a row count that leaves the last warp part
+    empty; and the float64 reference on the rows without NaN."""
+    pin(monkeypatch, KernelConfig.few(1))
+    gen = torch.Generator().manual_seed(31 + len(fmt) + partial_dtype.itemsize)
+    tokens, heads, head_dim = 7, 5, 96
+    for name, o, lse in layouts(2, tokens, heads, head_dim, gen, partial_dtype):
+        lse = lse.clone()
+        lse[:, 3, 1] = -math.inf  # an empty row
+        lse[1, 6, 4] = math.nan  # a NaN row
+        clean = torch.ones(tokens, heads, dtype=torch.bool)
+        clean[6, 4] = False
+        if fmt == "lse":
+            stats = lse
+            ref, ref_stats = reference.merge_lse_reference(
+                o.reshape(2, -1, head_dim), stats.reshape(2, -1), base=math.e)
+            runs = [kvsplit.merge_lse(o.to(device), stats.to(device), base=math.e,
+                                      return_lse=True, pass_through_from=p)
+                    for p in (None, tokens)]
+        else:
+            sums = torch.rand(2, tokens, heads, generator=gen) + 0.5
+            stats = torch.stack([lse, sums], -1)
+            ref, ref_stats = reference.merge_maxsum_reference(
+                o.reshape(2, -1, head_dim), stats.reshape(2, -1, 2), 0.7)
+            runs = [kvsplit.merge_maxsum(o.to(device), stats.to(device), 0.7, return_stats=True,
+                                         pass_through_from=p) for p in (None, tokens)]
+        (pair, pair_stats), (general, general_stats) = ((a.cpu(), b.cpu()) for a, b in runs)
+        assert torch.equal(pair.view(torch.uint8), general.view(torch.uint8)), name
+        assert torch.equal(pair_stats.view(torch.int32), general_stats.view(torch.int32)), name
+        assert pair[6, 4].isnan().all() and pair_stats[6, 4].isnan().any(), name
+        assert torch.equal(pair[3, 1], torch.zeros(head_dim, dtype=pair.dtype)), name
+        rows = clean.reshape(-1)
+        tolerance = {torch.float32: 1e-5}.get(pair.dtype, 2 ** -7)
+        torch.testing.assert_close(pair.double().reshape(-1, head_dim)[rows], ref[rows],
+                                   rtol=tolerance, atol=1e-5)
+        if fmt == "lse":
+            torch.testing.assert_close(pair_stats.double().reshape(-1)[rows],
+                                       ref_stats.float().double()[rows], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("vectors", [1, 2, 4])
 @pytest.mark.parametrize("partial_dtype, out_dtype, scaled", [
     (torch.bfloat16, torch.float32, False), (torch.bfloat16, torch.float16, False),

@@ -278,9 +278,17 @@ static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay c
 // per-tensor scale or none), so that its store is straight-line code:
 // branches on a runtime dtype at the end of a merge this short cost each
 // launch 0.1-0.2 us (benchmarks/lab/lab_outputs.py).
-template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
+// kPair: the instance for calls of exactly two states at one vector a thread
+// (few_pair_call), the commonest merge engines make. Its threads past the
+// rows leave first, so that no load waits on a predicate, and its round is
+// written out for two states: the same operations in the same order as
+// merge_batch's on a fresh state, so the same bits.
+// kLoadBytes: the bytes of a state's row a thread loads (the kernel lab
+// tries others).
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
+          bool kPair = false, int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth)>
 __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
-  constexpr int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth);
+  static_assert(!kPair || (kDepth == 2 && kVectors == 1), "a pair is two states, one vector");
   constexpr int kVec = kLoadBytes / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
   using Partial = typename CudaType<kPartial>::type;
@@ -292,10 +300,11 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   const auto token = static_cast<int32_t>(p.heads.div(row));
   const auto head = static_cast<int32_t>(row - token * p.heads.divisor);
   const bool active = row < static_cast<uint32_t>(p.rows);
-  bool holds[kVectors];
+  bool holds[kVectors];  // a pair's thread: one vector of a row of `lanes` (few_threads_per_row)
 #pragma unroll
-  for (int u = 0; u < kVectors; ++u) holds[u] = lane + u * lanes < p.row_vectors;
+  for (int u = 0; u < kVectors; ++u) holds[u] = kPair || lane + u * lanes < p.row_vectors;
 
+  if (kPair && !active) return;
   pdl_wait();
   // Issued before the merge's loads so that its latency hides behind theirs.
   const float out_scale = is_fp8(kOut) && p.out_scale != nullptr ? __ldg(p.out_scale) : 1.f;
@@ -303,15 +312,40 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
                      (token * p.o_token + head * p.o_head + lane * kVec);
   const float* s = p.stats + (token * p.s_token + head * p.s_head);
   MergeState<kElems> state;
-  state.reset();
-  // One round: the call's states fit it (few_lean_call). A loop over further
-  // rounds would hold 8-57 more registers a thread through the first (ptxas,
-  // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
-  // four states and two vectors), fewer CTAs an SM at large row counts.
-  merge_few_round<kDepth, kVectors, kPartial, kFormat, kElems, false, kLoadBytes>(
-      state, o, s, active ? p.num_splits : 0, p.o_split, p.s_split, lanes * kVec, holds,
-      p.log2_scale, p.empty_stat);
-  pdl_trigger();
+  if constexpr (kPair) {
+    const auto x = load_packed<kLoadBytes>(o), y = load_packed<kLoadBytes>(o + p.o_split);
+    const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
+    float l0 = 1.f, l1 = 1.f;
+    if constexpr (kFormat == StatsFormat::kMaxSum) {
+      l0 = __ldg(s + 1);
+      l1 = __ldg(s + p.s_split + 1);
+    }
+    pdl_trigger();
+    const float m0 = raw0 != p.empty_stat ? raw0 : neg_inf();
+    const float m1 = raw1 != p.empty_stat ? raw1 : neg_inf();
+    // merge_batch from reset(): the fresh state's weight is 0, so its l and
+    // accumulators enter as +0.
+    state.m = max_keep_nan(m0, m1);
+    const float offset = weight_offset(state.m);
+    const float w0 = MergeState<kElems>::weight(m0, offset, p.log2_scale);
+    const float w1 = MergeState<kElems>::weight(m1, offset, p.log2_scale);
+    state.l = __fmaf_rn(w1, l1, __fmaf_rn(w0, l0, 0.f));
+#pragma unroll
+    for (int v = 0; v < kElems; ++v) {
+      state.acc[v] = __fmaf_rn(w1, unpack<kPartial>(y, v),
+                               __fmaf_rn(w0, unpack<kPartial>(x, v), 0.f));
+    }
+  } else {
+    state.reset();
+    // One round: the call's states fit it (few_lean_call). A loop over further
+    // rounds would hold 8-57 more registers a thread through the first (ptxas,
+    // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
+    // four states and two vectors), fewer CTAs an SM at large row counts.
+    merge_few_round<kDepth, kVectors, kPartial, kFormat, kElems, false, kLoadBytes>(
+        state, o, s, active ? p.num_splits : 0, p.o_split, p.s_split, lanes * kVec, holds,
+        p.log2_scale, p.empty_stat);
+    pdl_trigger();
+  }
 
   float out[kElems], log2_rel;
   const float total = kFormat == StatsFormat::kLse
@@ -345,10 +379,11 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   if (exports) export_row();
 }
 
-template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut>
+template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
+          bool kPair = false>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_lean_kernel(const FewLeanParams p) {
-  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut>(p);
+  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair>(p);
 }
 
 // Row strides over (token, head) with token = batch * seqlen + token, or
@@ -410,6 +445,14 @@ inline bool few_lean_call(const MergeParams& p, int64_t threads, int depth, Merg
          row_offsets_fit(lean.stats_row, tokens, heads, 2) &&
          row_offsets_fit(lean.out_row, tokens, heads, p.head_dim) &&
          (p.out_stats == nullptr || row_offsets_fit(lean.out_stats_row, tokens, heads, 2));
+}
+
+// Whether a lean call of depth 2 and one vector a thread takes the pair
+// instance (few_lean_merge's kPair): exactly two states a row, and no
+// in-place export, whose __syncwarp wants every thread of the warp (the pair
+// instance's threads past the rows have left).
+inline bool few_pair_call(const MergeParams& lean) {
+  return lean.num_splits == 2 && !lean.stats_in_place;
 }
 
 // The order in which the lean kernel's threads take a call's rows: (token,
@@ -538,9 +581,16 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
-          const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
+          auto kernel = lean_instance(p.out_dtype, [&](auto out) {
             return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, decltype(out)::value>;
           });
+          if constexpr (kDepth == 2 && kVectors == 1) {
+            if (few_pair_call(lean)) {
+              kernel = lean_instance(p.out_dtype, [&](auto out) {
+                return few_lean_kernel<kPartial, kFormat, 2, 1, decltype(out)::value, true>;
+              });
+            }
+          }
           error = cudaLaunchKernelEx(&launch.config, kernel, few_lean_params(lean, heads, geo));
         }
       } else {

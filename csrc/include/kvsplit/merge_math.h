@@ -46,6 +46,18 @@ KVSPLIT_HD float fast_divide(float a, float b) {
   return a / b;
 #endif
 }
+// 1 / x by MUFU.RCP alone: fast_divide(1, x) scales a divisor below float32's
+// normal range first, which finalize_lse's denominators in [1, N] never are
+// (the same value there; 0 and NaN give inf and NaN either way).
+KVSPLIT_HD float fast_reciprocal(float x) {
+#if defined(__CUDA_ARCH__) && KVSPLIT_LEAN_MATH
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return 1.f / x;
+#endif
+}
 KVSPLIT_HD float fast_log2(float x) {
 #if defined(__CUDA_ARCH__) && KVSPLIT_LEAN_MATH
   float y;
@@ -221,7 +233,7 @@ struct MergeState {
   // included whatever its partials hold, with selects for its branches.
   KVSPLIT_HD float finalize_lse(float (&out)[kVec], float& log2_rel) const {
     const bool empty = m == neg_inf();
-    const float factor = fast_divide(1.f, l);
+    const float factor = fast_reciprocal(l);
 #pragma unroll
     for (int v = 0; v < kVec; ++v) out[v] = empty ? 0.f : acc[v] * factor;
     log2_rel = empty ? neg_inf() : fast_log2(l);

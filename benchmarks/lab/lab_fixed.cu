@@ -41,6 +41,15 @@
 //            finalize (lfin), no in-place sync, export or vector check
 //            (lnochk), threads past the rows leaving before any load
 //            (lexit); lbare: all five.
+//   l8 / l8row / l16row / lean
+//            the product's general lean instance (as launched before the
+//            pair instance: `lean`) but for the bytes of a state's row each
+//            thread loads (8: twice the threads) and the grid: l8 on
+//            make_few_launch's CTAs, l8row and l16row one CTA a row (Triton's
+//            grid), for the one-token calls where the serial Triton merge
+//            leads;
+//   p8 / p8row / p16row
+//            the same with the pair instance (what `product` launches).
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -132,6 +141,33 @@ __global__ void __launch_bounds__(256, 1) any_kernel(const MergeParams p, const 
 template <int kMinCtas>
 __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const FewLeanParams p) {
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p);
+}
+
+template <int kBytes, bool kPair>
+__global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewLeanParams p) {
+  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kBytes>(p);
+}
+
+// The product's lean kernel (`pair`: its pair instance) with kBytes a thread
+// a state, on make_few_launch's CTAs or one CTA a row; -1 where the call does
+// not take it.
+int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair, int sm_count,
+                      cudaStream_t stream) {
+  const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1, bytes);
+  if (lanes < 1 || lanes > 256) return -1;
+  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
+  const unsigned cta = row_grid ? lanes : shape.cta_threads;
+  const auto ctas = static_cast<unsigned>(row_grid ? p.rows : shape.ctas);
+  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
+                        static_cast<int32_t>(p.head_dim) * 2 / bytes, p.rows, true};
+  MergeParams lean;
+  uint32_t heads = 1;
+  if (!few_lean_call(p, p.rows * lanes, 2, lean, heads)) return -1;
+  const FewLeanParams f = few_lean_params(lean, heads, geo);
+  void (*const kernels[])(FewLeanParams) = {lean_bytes_kernel<8, false>, lean_bytes_kernel<16, false>,
+                                             lean_bytes_kernel<8, true>, lean_bytes_kernel<16, true>};
+  kernels[(bytes == 16 ? 1 : 0) + (pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
+  return 0;
 }
 
 // The product's lean merge for these calls (flat rows, bf16, base-2 LSE, two
@@ -316,7 +352,8 @@ using namespace kvsplit;
 
 // variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product, 7 hand16, 8 hand8,
 // 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
-// 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare. Split-major
+// 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare, 25 l8,
+// 26 l8row, 27 l16row, 28 lean, 29 p8, 30 p8row, 31 p16row. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -370,6 +407,17 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
           lean_parts_kernel<1>, lean_parts_kernel<2>,  lean_parts_kernel<4>,
           lean_parts_kernel<8>, lean_parts_kernel<16>, lean_parts_kernel<31>};
       kernels[variant - 19]<<<grid, block, 0, stream>>>(lean, geo, FastDivmod(heads));
+      break;
+    }
+    case 25: case 26: case 27: case 28: case 29: case 30: case 31: {
+      // l8, l8row, l16row, lean (16 bytes, make_few_launch: the product before the pair
+      // instance), p8, p8row, p16row
+      const int bytes[] = {8, 8, 16, 16, 8, 8, 16};
+      const bool rows[] = {false, true, true, false, false, true, true};
+      if (launch_lean_bytes(p, bytes[variant - 25], rows[variant - 25], variant >= 29, sm_count,
+                            stream) != 0) {
+        return -1;
+      }
       break;
     }
     default: {

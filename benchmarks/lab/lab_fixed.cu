@@ -49,7 +49,11 @@
 //            grid), for the one-token calls where the serial Triton merge
 //            leads;
 //   p8 / p8row / p16row
-//            the same with the pair instance (what `product` launches).
+//            the same with the pair instance (what `product` launches);
+//   pshift / pflat / pmath / pnoexp / phand
+//            the pair instance on the product's parameter block with one
+//            part made as hand16 has it (pair_parts_kernel says which; phand:
+//            all four), to split product - hand16 at one token.
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -167,6 +171,93 @@ int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair,
   void (*const kernels[])(FewLeanParams) = {lean_bytes_kernel<8, false>, lean_bytes_kernel<16, false>,
                                              lean_bytes_kernel<8, true>, lean_bytes_kernel<16, true>};
   kernels[(bytes == 16 ? 1 : 0) + (pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
+  return 0;
+}
+
+// The pair instance (bf16, base-2 LSE, bf16 out) on the product's parameter
+// block, each bit of kParts a part made as hand16 has it, to split the pair
+// instance - hand16 at one token: 1 the row and lane by a shift (`lanes_log2`;
+// lanes a power of two), 2 no token / head division (flat rows: token = row),
+// 4 hand16's arithmetic (no empty-stat test, plain max, (w0 x + w1 y) / l
+// without MergeState's empty-row selects), 8 no stats export.
+template <int kParts>
+__global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams p,
+                                                            int lanes_log2) {
+  constexpr bool kShift = kParts & 1, kFlat = kParts & 2, kHandMath = kParts & 4;
+  constexpr bool kNoExport = kParts & 8;
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row = kShift ? thread >> lanes_log2 : p.lanes.div(thread);
+  const int lane = kShift ? static_cast<int>(thread & ((1u << lanes_log2) - 1))
+                          : static_cast<int>(thread - row * p.lanes.divisor);
+  const auto token = kFlat ? static_cast<int32_t>(row) : static_cast<int32_t>(p.heads.div(row));
+  const auto head = kFlat ? 0 : static_cast<int32_t>(row - token * p.heads.divisor);
+  if (row >= static_cast<uint32_t>(p.rows)) return;
+  pdl_wait();
+  const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o) +
+                  (token * p.o_token + head * p.o_head + lane * kVec);
+  const float* s = p.stats + (token * p.s_token + head * p.s_head);
+  const auto x = load_packed<kBytesPerThread>(o), y = load_packed<kBytesPerThread>(o + p.o_split);
+  const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
+  pdl_trigger();
+  MergeState<kVec> state;
+  float out[kVec], log2_rel = 0.f, total = 0.f;
+  if constexpr (kHandMath) {
+    const float m = fmaxf(raw0, raw1);
+    const float anchor = m == -INFINITY ? 0.f : m;
+    const float w0 = fast_exp2(raw0 - anchor), w1 = fast_exp2(raw1 - anchor);
+    total = w0 + w1;
+    const float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      out[v] = (w0 * unpack<DType::kBFloat16>(x, v) + w1 * unpack<DType::kBFloat16>(y, v)) * inv;
+    }
+    state.m = m;
+    state.l = total;
+    log2_rel = fast_log2(total);
+  } else {
+    const float m0 = raw0 != p.empty_stat ? raw0 : neg_inf();
+    const float m1 = raw1 != p.empty_stat ? raw1 : neg_inf();
+    state.m = max_keep_nan(m0, m1);
+    const float offset = weight_offset(state.m);
+    const float w0 = MergeState<kVec>::weight(m0, offset, p.log2_scale);
+    const float w1 = MergeState<kVec>::weight(m1, offset, p.log2_scale);
+    state.l = w0 + w1;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      state.acc[v] = __fmaf_rn(w1, unpack<DType::kBFloat16>(y, v),
+                               w0 * unpack<DType::kBFloat16>(x, v));
+    }
+    total = state.finalize_lse(out, log2_rel);
+  }
+  store_out<kVec, DType::kBFloat16>(p.out, token * p.out_token + head * p.out_head + lane * kVec,
+                                    out);
+  if (!kNoExport && lane == 0 && p.out_stats != nullptr) {
+    write_stats<StatsFormat::kLse>(p.out_stats + (token * p.out_stats_token +
+                                                  head * p.out_stats_head),
+                                   state, total, neg_inf(), log2_rel, p.log2_scale,
+                                   p.export_scale, nullptr);
+  }
+}
+
+// pair_parts_kernel<kParts> on make_few_launch's CTAs; -1 where the call does
+// not take the pair instance or (a shift) its lanes are not a power of two.
+template <int kParts>
+int launch_pair_parts(const MergeParams& p, int sm_count, cudaStream_t stream) {
+  const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1);
+  if (lanes < 1 || ((kParts & 1) && (lanes & (lanes - 1)))) return -1;
+  int lanes_log2 = 0;
+  while ((1 << lanes_log2) < lanes) ++lanes_log2;
+  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
+  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
+                        static_cast<int32_t>(p.head_dim) * 2 / kBytesPerThread, p.rows, true};
+  MergeParams lean;
+  uint32_t heads = 1;
+  if (!few_lean_call(p, p.rows * lanes, 2, lean, heads) || !few_pair_call(lean) ||
+      ((kParts & 2) && heads != 1)) {
+    return -1;
+  }
+  pair_parts_kernel<kParts><<<static_cast<unsigned>(shape.ctas), shape.cta_threads, 0, stream>>>(
+      few_lean_params(lean, heads, geo), lanes_log2);
   return 0;
 }
 
@@ -353,7 +444,8 @@ using namespace kvsplit;
 // variant: 0 bare, 1 ex, 2 pdl, 3 bigp, 4 any, 5 general, 6 product, 7 hand16, 8 hand8,
 // 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
 // 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare, 25 l8,
-// 26 l8row, 27 l16row, 28 lean, 29 p8, 30 p8row, 31 p16row. Split-major
+// 26 l8row, 27 l16row, 28 lean, 29 p8, 30 p8row, 31 p16row, 32 pshift, 33 pflat, 34 pmath,
+// 35 pnoexp, 36 phand. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -418,6 +510,13 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
                             stream) != 0) {
         return -1;
       }
+      break;
+    }
+    case 32: case 33: case 34: case 35: case 36: {
+      int (*const launches[])(const MergeParams&, int, cudaStream_t) = {
+          launch_pair_parts<1>, launch_pair_parts<2>, launch_pair_parts<4>, launch_pair_parts<8>,
+          launch_pair_parts<15>};
+      if (launches[variant - 32](p, sm_count, stream) != 0) return -1;
       break;
     }
     default: {

@@ -179,7 +179,9 @@ int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair,
 // instance - hand16 at one token: 1 the row and lane by a shift (`lanes_log2`;
 // lanes a power of two), 2 no token / head division (flat rows: token = row),
 // 4 hand16's arithmetic (no empty-stat test, plain max, (w0 x + w1 y) / l
-// without MergeState's empty-row selects), 8 no stats export.
+// without MergeState's empty-row selects; without it, merge_few_round's round
+// of two live states: the pair instance's operations and the fresh state's
+// zero rescale), 8 no stats export.
 template <int kParts>
 __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams p,
                                                             int lanes_log2) {
@@ -196,12 +198,12 @@ __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams 
   const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o) +
                   (token * p.o_token + head * p.o_head + lane * kVec);
   const float* s = p.stats + (token * p.s_token + head * p.s_head);
-  const auto x = load_packed<kBytesPerThread>(o), y = load_packed<kBytesPerThread>(o + p.o_split);
-  const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
-  pdl_trigger();
   MergeState<kVec> state;
   float out[kVec], log2_rel = 0.f, total = 0.f;
   if constexpr (kHandMath) {
+    const auto x = load_packed<kBytesPerThread>(o), y = load_packed<kBytesPerThread>(o + p.o_split);
+    const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
+    pdl_trigger();
     const float m = fmaxf(raw0, raw1);
     const float anchor = m == -INFINITY ? 0.f : m;
     const float w0 = fast_exp2(raw0 - anchor), w1 = fast_exp2(raw1 - anchor);
@@ -215,18 +217,13 @@ __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams 
     state.l = total;
     log2_rel = fast_log2(total);
   } else {
-    const float m0 = raw0 != p.empty_stat ? raw0 : neg_inf();
-    const float m1 = raw1 != p.empty_stat ? raw1 : neg_inf();
-    state.m = max_keep_nan(m0, m1);
-    const float offset = weight_offset(state.m);
-    const float w0 = MergeState<kVec>::weight(m0, offset, p.log2_scale);
-    const float w1 = MergeState<kVec>::weight(m1, offset, p.log2_scale);
-    state.l = w0 + w1;
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      state.acc[v] = __fmaf_rn(w1, unpack<DType::kBFloat16>(y, v),
-                               w0 * unpack<DType::kBFloat16>(x, v));
-    }
+    // The pair instance's operations and the fresh state's zero rescale
+    // (merge_batch from reset()), with no load predicated.
+    const bool holds[1] = {true};
+    state.reset();
+    merge_few_round<2, 1, DType::kBFloat16, StatsFormat::kLse>(
+        state, o, s, 2, p.o_split, p.s_split, 0, holds, p.log2_scale, p.empty_stat);
+    pdl_trigger();
     total = state.finalize_lse(out, log2_rel);
   }
   store_out<kVec, DType::kBFloat16>(p.out, token * p.out_token + head * p.out_head + lane * kVec,

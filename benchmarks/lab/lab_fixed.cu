@@ -152,22 +152,35 @@ __global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewLeanParams 
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kBytes>(p);
 }
 
+// A two-state call of `p` as the product's lean kernel takes it at `bytes` a
+// thread a state: its parameters `f`, make_few_launch's `shape` and the heads
+// a token; false where the call does not take the pair instance or its row
+// needs more than 256 threads.
+bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, FewLaunch& shape,
+               uint32_t& heads) {
+  const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1, bytes);
+  if (lanes < 1 || lanes > 256) return false;
+  shape = make_few_launch(lanes, p.rows, sm_count);
+  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
+                        static_cast<int32_t>(p.head_dim) * 2 / bytes, p.rows, true};
+  MergeParams lean;
+  heads = 1;
+  if (!few_lean_call(p, p.rows * lanes, 2, lean, heads) || !few_pair_call(lean)) return false;
+  f = few_lean_params(lean, heads, geo);
+  return true;
+}
+
 // The product's lean kernel (`pair`: its pair instance) with kBytes a thread
 // a state, on make_few_launch's CTAs or one CTA a row; -1 where the call does
 // not take it.
 int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair, int sm_count,
                       cudaStream_t stream) {
-  const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1, bytes);
-  if (lanes < 1 || lanes > 256) return -1;
-  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
-  const unsigned cta = row_grid ? lanes : shape.cta_threads;
+  FewLeanParams f;
+  FewLaunch shape;
+  uint32_t heads;
+  if (!pair_call(p, bytes, sm_count, f, shape, heads)) return -1;
+  const unsigned cta = row_grid ? f.lanes.divisor : shape.cta_threads;
   const auto ctas = static_cast<unsigned>(row_grid ? p.rows : shape.ctas);
-  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
-                        static_cast<int32_t>(p.head_dim) * 2 / bytes, p.rows, true};
-  MergeParams lean;
-  uint32_t heads = 1;
-  if (!few_lean_call(p, p.rows * lanes, 2, lean, heads)) return -1;
-  const FewLeanParams f = few_lean_params(lean, heads, geo);
   void (*const kernels[])(FewLeanParams) = {lean_bytes_kernel<8, false>, lean_bytes_kernel<16, false>,
                                              lean_bytes_kernel<8, true>, lean_bytes_kernel<16, true>};
   kernels[(bytes == 16 ? 1 : 0) + (pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
@@ -240,21 +253,18 @@ __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams 
 // not take the pair instance or (a shift) its lanes are not a power of two.
 template <int kParts>
 int launch_pair_parts(const MergeParams& p, int sm_count, cudaStream_t stream) {
-  const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1);
-  if (lanes < 1 || ((kParts & 1) && (lanes & (lanes - 1)))) return -1;
-  int lanes_log2 = 0;
-  while ((1 << lanes_log2) < lanes) ++lanes_log2;
-  const FewLaunch shape = make_few_launch(lanes, p.rows, sm_count);
-  const FewGeometry geo{FastDivmod(static_cast<uint32_t>(lanes)),
-                        static_cast<int32_t>(p.head_dim) * 2 / kBytesPerThread, p.rows, true};
-  MergeParams lean;
-  uint32_t heads = 1;
-  if (!few_lean_call(p, p.rows * lanes, 2, lean, heads) || !few_pair_call(lean) ||
-      ((kParts & 2) && heads != 1)) {
+  FewLeanParams f;
+  FewLaunch shape;
+  uint32_t heads;
+  if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads) || ((kParts & 2) && heads != 1)) {
     return -1;
   }
+  const uint32_t lanes = f.lanes.divisor;
+  if ((kParts & 1) && (lanes & (lanes - 1))) return -1;
+  int lanes_log2 = 0;
+  while ((1u << lanes_log2) < lanes) ++lanes_log2;
   pair_parts_kernel<kParts><<<static_cast<unsigned>(shape.ctas), shape.cta_threads, 0, stream>>>(
-      few_lean_params(lean, heads, geo), lanes_log2);
+      f, lanes_log2);
   return 0;
 }
 

@@ -28,16 +28,21 @@ def stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def test_read_probe_writes_what_it_read(bench):
+@pytest.mark.parametrize("num_splits, out_dtype", [(24, torch.bfloat16), (2, torch.bfloat16),
+                                                  (2, torch.float32)])
+def test_read_probe_writes_what_it_read(bench, num_splits, out_dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
-    o = torch.randn(24, 32, 128, generator=g, device="cuda").to(torch.bfloat16)
-    stats = torch.randn(24, 32, 2, generator=g, device="cuda")
-    out = torch.full((32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o = torch.randn(num_splits, 32, 128, generator=g, device="cuda").to(torch.bfloat16)
+    stats = torch.randn(num_splits, 32, 2, generator=g, device="cuda")
+    out = torch.full((32, 128), float("nan"), dtype=out_dtype, device="cuda")
+    out_bytes = out.numel() * out.element_size()
     bench.launch_read_probe(o.data_ptr(), o.numel() * 2, stats.data_ptr(), stats.numel() * 4,
-                            out.data_ptr(), out.numel() * 2, stream())
+                            out.data_ptr(), out_bytes, stream())
     torch.cuda.synchronize()
-    # Thread c stores the first chunk it loaded, which is chunk c of the partials.
-    assert torch.equal(out.flatten(), o.flatten()[:out.numel()])
+    # Thread c stores the first chunk it loaded, chunk c of the partials, and only that: there
+    # are at least as many threads as output chunks, even where the output is over a quarter
+    # of the inputs (two states) or as large as the partials (a float32 output).
+    assert torch.equal(out.flatten().view(torch.uint8), o.flatten().view(torch.uint8)[:out_bytes])
 
 
 @pytest.mark.parametrize("pdl", [False, True])

@@ -1,7 +1,8 @@
 """What a float32 or FP8 output's store costs a two-state merge: the same hand merge (bf16
 partials, base-2 LSE) with 8-, 16- or 32-byte loads a lane and each way of storing float32
 and FP8 e4m3fn with a per-tensor scale (lab_store.cu says which), beside the product writing
-bf16, float32 and FP8 and the read probe over each output's bytes.
+bf16, float32 and FP8 and the read probe over each output's bytes (and, as `read4`, the
+probe's former geometry: a thread per four input chunks).
 
     python -P benchmarks/lab/lab_store.py [--out DIR]
 
@@ -29,6 +30,9 @@ VARIANTS = {"bf16": (0, torch.bfloat16), "two": (1, torch.float32), "pair": (2, 
             "fp8pair": (7, FP8)}
 PRODUCT = {"product bf16": torch.bfloat16, "product fp32": torch.float32, "product fp8": FP8}
 READS = {"read bf16": torch.bfloat16, "read fp32": torch.float32, "read fp8": FP8}
+# The probe's former geometry (a thread per four input chunks): what the ratios before it
+# changed were taken against.
+READS4 = {"read4 bf16": torch.bfloat16, "read4 fp32": torch.float32, "read4 fp8": FP8}
 SCALE = 0.5  # FP8 outputs: value / SCALE
 # (rows, head_dim)
 SHAPES = [(512, 128), (4096, 128), (4096, 512), (1024, 576), (16384, 128), (32768, 128)]
@@ -45,7 +49,7 @@ def main() -> int:
         kvsplit = None
     timing.spin_up_gpu()
     g = torch.Generator().manual_seed(0)
-    names = [*READS, *VARIANTS, *PRODUCT]
+    names = [*READS, *READS4, *VARIANTS, *PRODUCT]
     differences = (("pair", "bf16"), ("w8", "bf16"), ("fp8", "bf16"), ("fp8w32", "fp8"), ("fp8pair", "fp8"))
     lines = ["| rows x D | MB (bf16 out) | " + " | ".join(names) + " | "
              + " | ".join(f"{a} - {b}" for a, b in differences) + " |",
@@ -81,6 +85,8 @@ def main() -> int:
                 runs[name] = lambda i, merge=merge: merge()
         for name, dtype in READS.items():
             runs[name] = lambda i, out=outs[dtype]: labkit.read_probe(lib, o, lse, out)
+        for name, dtype in READS4.items():
+            runs[name] = lambda i, out=outs[dtype]: labkit.read_probe(lib, o, lse, out, quarter=True)
         megabytes = (o.numel() * 2 + lse.numel() * 4 + out16.numel() * 2) / 1e6
         times = labkit.median_us(timing, runs, megabytes / 4 + 2.0)
         cells = [f"{times[n]:.2f}" if n in times else "-" for n in names]

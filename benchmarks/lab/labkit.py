@@ -73,7 +73,8 @@ def row_params(o, stats, out, **fields) -> Params:
                   **fields)
 
 
-#: Linked into every lab library: ``lab_read`` (the read probe) and ``lab_noop`` (an empty kernel).
+#: Linked into every lab library: ``lab_read`` (the read probe), ``lab_read_quarter`` (its former
+#: geometry) and ``lab_noop`` (an empty kernel).
 PROBE_SOURCES = ["benchmarks/lab/lab_probe.cu", "csrc/cuda/probe.cu"]
 
 
@@ -84,13 +85,15 @@ def stream() -> ctypes.c_void_p:
     return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
 
-def read_probe(lib, o, stats, out) -> int:
-    """The read probe over ``o``'s and ``stats``' bytes, writing ``out``'s (a lab library's)."""
-    return lib.lab_read(ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * o.element_size()),
-                        ctypes.c_void_p(stats.data_ptr()),
-                        ctypes.c_int64(stats.numel() * stats.element_size()),
-                        ctypes.c_void_p(out.data_ptr()),
-                        ctypes.c_int64(out.numel() * out.element_size()), stream())
+def read_probe(lib, o, stats, out, quarter: bool = False) -> int:
+    """The read probe over ``o``'s and ``stats``' bytes, writing ``out``'s (a lab library's);
+    ``quarter``: its former geometry, a thread per four input chunks (lab_probe.cu)."""
+    launch = lib.lab_read_quarter if quarter else lib.lab_read
+    return launch(ctypes.c_void_p(o.data_ptr()), ctypes.c_int64(o.numel() * o.element_size()),
+                  ctypes.c_void_p(stats.data_ptr()),
+                  ctypes.c_int64(stats.numel() * stats.element_size()),
+                  ctypes.c_void_p(out.data_ptr()),
+                  ctypes.c_int64(out.numel() * out.element_size()), stream())
 
 
 def problem(rows: int, head_dim: int, num_splits: int, generator, empty_every: int = 0):

@@ -1,9 +1,10 @@
 // Reference kernels for the benchmarks, not used by the merge path:
 // - an empty kernel: the cost of a launch in graph replay;
 // - a read probe: reads every input byte once and writes every output byte,
-//   with all loads independent and spread over the whole GPU. No merge of the
-//   same bytes can be faster, so best / probe is how far a merge is from
-//   the hardware at that shape;
+//   with all loads independent and spread over the whole GPU, and at least
+//   as many threads as output chunks, so that each stores at most one (as a
+//   merge of two states does). No merge of the same bytes should be faster,
+//   so best / probe is how far a merge is from the hardware at that shape;
 // - a producer that writes partials like an attention kernel, to chain with
 //   the merge (programmatic dependent launch on and off).
 #include <cuda_bf16.h>
@@ -25,28 +26,30 @@ __global__ void noop_kernel() {}
 
 __device__ __forceinline__ uint32_t fold(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
-// Chunk c < o_chunks is partial_o's, then stats'. Each thread issues all of
-// its loads before using any; the XOR of what it read decides a store that
-// never happens in practice but that the compiler cannot drop.
+// Chunk c < o_chunks is partial_o's, then stats' up to in_chunks. Each
+// thread issues all of its loads (predicated, no branch) before using any,
+// then stores output chunks tid, tid + threads, ... (one where threads >=
+// out_chunks); the XOR of what it read decides a store that never happens in
+// practice but that the compiler cannot drop. Index: int where every chunk
+// index fits, so that the address arithmetic is 32-bit.
+template <typename Index>
 __global__ void __launch_bounds__(kProbeThreads)
-    read_probe_kernel(const uint4* o, int64_t o_chunks, const uint4* stats, int64_t stats_chunks,
-                      uint4* out, int64_t out_chunks, int64_t threads) {
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    read_probe_kernel(const uint4* o, Index o_chunks, const uint4* stats, Index in_chunks,
+                      uint4* out, Index out_chunks, Index threads) {
+  const Index tid = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
   uint4 loaded[kProbeChunksPerThread];
 #pragma unroll
   for (int u = 0; u < kProbeChunksPerThread; ++u) {
-    const int64_t c = tid + u * threads;
+    const Index c = tid + u * threads;
+    const uint4* from = c < o_chunks ? o + c : stats + (c - o_chunks);
     loaded[u] = make_uint4(0, 0, 0, 0);
-    if (c < o_chunks) {
-      loaded[u] = __ldg(o + c);
-    } else if (c < o_chunks + stats_chunks) {
-      loaded[u] = __ldg(stats + (c - o_chunks));
-    }
+    if (c < in_chunks) loaded[u] = __ldg(from);
   }
   uint32_t folded = 0;
 #pragma unroll
   for (int u = 0; u < kProbeChunksPerThread; ++u) folded ^= fold(loaded[u]);
-  for (int64_t c = tid; c < out_chunks; c += threads) out[c] = loaded[0];
+#pragma unroll 1  // no trip count to divide out: most threads store once, if at all
+  for (Index c = tid; c < out_chunks; c += threads) out[c] = loaded[0];
   if (folded == kUnlikely && out_chunks > 0) out[0].x = folded;
 }
 
@@ -102,17 +105,34 @@ Status launch_noop(int grid, void* stream) {
 }
 
 Status launch_read_probe(const void* partial_o, int64_t o_bytes, const void* stats,
-                      int64_t stats_bytes, void* out, int64_t out_bytes, void* stream) {
+                      int64_t stats_bytes, void* out, int64_t out_bytes, void* stream,
+                      bool store_per_thread) {
   // Whole 16-byte chunks only: a stats tail under 16 bytes is left unread.
   const int64_t o_chunks = o_bytes / 16;
   const int64_t stats_chunks = stats_bytes / 16;
   const int64_t out_chunks = out_bytes / 16;
-  const int64_t threads = (o_chunks + stats_chunks + kProbeChunksPerThread - 1) / kProbeChunksPerThread;
+  int64_t threads = (o_chunks + stats_chunks + kProbeChunksPerThread - 1) / kProbeChunksPerThread;
+  // With a thread per input quad alone, an output over a quarter of the inputs
+  // (two states writing 16-bit values: half) is stored in a loop after all of
+  // a thread's loads, by half a merge's threads: a hand-written two-state
+  // merge ran at 0.81-0.92x such a probe (benchmarks/lab/lab_store.py).
+  if (store_per_thread && out_chunks > threads) threads = out_chunks;
   if (threads < 1) return Status{};
-  read_probe_kernel<<<static_cast<unsigned>(blocks_for(threads)), kProbeThreads, 0,
-                      static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const uint4*>(partial_o), o_chunks, static_cast<const uint4*>(stats),
-      stats_chunks, static_cast<uint4*>(out), out_chunks, threads);
+  const auto grid = static_cast<unsigned>(blocks_for(threads));
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  const auto* o = static_cast<const uint4*>(partial_o);
+  const auto* s = static_cast<const uint4*>(stats);
+  auto* to = static_cast<uint4*>(out);
+  const int64_t in_chunks = o_chunks + stats_chunks;
+  // The largest index a thread forms: its last load's or its last store's.
+  if (kProbeChunksPerThread * threads + out_chunks <= INT32_MAX) {
+    read_probe_kernel<int><<<grid, kProbeThreads, 0, cuda_stream>>>(
+        o, static_cast<int>(o_chunks), s, static_cast<int>(in_chunks), to,
+        static_cast<int>(out_chunks), static_cast<int>(threads));
+  } else {
+    read_probe_kernel<int64_t><<<grid, kProbeThreads, 0, cuda_stream>>>(
+        o, o_chunks, s, in_chunks, to, out_chunks, threads);
+  }
   return cuda_status(cudaGetLastError());
 }
 

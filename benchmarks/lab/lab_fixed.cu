@@ -53,7 +53,12 @@
 //   pshift / pflat / pmath / pnoexp / phand
 //            the pair instance on the product's parameter block with one
 //            part made as hand16 has it (pair_parts_kernel says which; phand:
-//            all four), to split product - hand16 at one token.
+//            all four), to split product - hand16 at one token;
+//   pnopdl   phand without the griddepcontrol (PDL) instructions;
+//   hbigp    hand16 behind the pair instance's parameter block, unread (its
+//            own parameters past it in the constant bank);
+//   htail    hand16 with that block after its own parameters (as many bytes
+//            a launch, its own where hand16 has them).
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -194,12 +199,12 @@ int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair,
 // 4 hand16's arithmetic (no empty-stat test, plain max, (w0 x + w1 y) / l
 // without MergeState's empty-row selects; without it, merge_few_round's round
 // of two live states: the pair instance's operations and the fresh state's
-// zero rescale), 8 no stats export.
+// zero rescale), 8 no stats export, 16 no griddepcontrol (PDL) instructions.
 template <int kParts>
 __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams p,
                                                             int lanes_log2) {
   constexpr bool kShift = kParts & 1, kFlat = kParts & 2, kHandMath = kParts & 4;
-  constexpr bool kNoExport = kParts & 8;
+  constexpr bool kNoExport = kParts & 8, kNoPdl = kParts & 16;
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t row = kShift ? thread >> lanes_log2 : p.lanes.div(thread);
   const int lane = kShift ? static_cast<int>(thread & ((1u << lanes_log2) - 1))
@@ -207,7 +212,7 @@ __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams 
   const auto token = kFlat ? static_cast<int32_t>(row) : static_cast<int32_t>(p.heads.div(row));
   const auto head = kFlat ? 0 : static_cast<int32_t>(row - token * p.heads.divisor);
   if (row >= static_cast<uint32_t>(p.rows)) return;
-  pdl_wait();
+  if (!kNoPdl) pdl_wait();
   const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o) +
                   (token * p.o_token + head * p.o_head + lane * kVec);
   const float* s = p.stats + (token * p.s_token + head * p.s_head);
@@ -216,7 +221,7 @@ __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams 
   if constexpr (kHandMath) {
     const auto x = load_packed<kBytesPerThread>(o), y = load_packed<kBytesPerThread>(o + p.o_split);
     const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
-    pdl_trigger();
+    if (!kNoPdl) pdl_trigger();
     const float m = fmaxf(raw0, raw1);
     const float anchor = m == -INFINITY ? 0.f : m;
     const float w0 = fast_exp2(raw0 - anchor), w1 = fast_exp2(raw1 - anchor);
@@ -236,7 +241,7 @@ __global__ void __launch_bounds__(256, 1) pair_parts_kernel(const FewLeanParams 
     state.reset();
     merge_few_round<2, 1, DType::kBFloat16, StatsFormat::kLse>(
         state, o, s, 2, p.o_split, p.s_split, 0, holds, p.log2_scale, p.empty_stat);
-    pdl_trigger();
+    if (!kNoPdl) pdl_trigger();
     total = state.finalize_lse(out, log2_rel);
   }
   store_out<kVec, DType::kBFloat16>(p.out, token * p.out_token + head * p.out_head + lane * kVec,
@@ -327,9 +332,9 @@ __global__ void __launch_bounds__(256, 1) lean_parts_kernel(const MergeParams p,
 // A two-state merge written out: each thread loads both LSEs and its piece
 // of both partials, then weights, one store. kBytes a thread a state.
 template <int kBytes>
-__global__ void __launch_bounds__(1024) hand_kernel(const __nv_bfloat16* o, const float* s,
-                                                    __nv_bfloat16* out, int rows, int lanes_log2,
-                                                    int64_t o_split, int64_t s_split) {
+__device__ __forceinline__ void hand_merge(const __nv_bfloat16* o, const float* s,
+                                           __nv_bfloat16* out, int rows, int lanes_log2,
+                                           int64_t o_split, int64_t s_split) {
   constexpr int kElems = kBytes / 2;
   using Vec = typename std::conditional<kBytes == 16, uint4,
               typename std::conditional<kBytes == 8, uint2, uint32_t>::type>::type;
@@ -355,6 +360,33 @@ __global__ void __launch_bounds__(1024) hand_kernel(const __nv_bfloat16* o, cons
     r[i] = __floats2bfloat162_rn((w0 * x.x + w1 * y.x) * inv, (w0 * x.y + w1 * y.y) * inv);
   }
   *reinterpret_cast<Vec*>(out + at) = result;
+}
+
+template <int kBytes>
+__global__ void __launch_bounds__(1024) hand_kernel(const __nv_bfloat16* o, const float* s,
+                                                    __nv_bfloat16* out, int rows, int lanes_log2,
+                                                    int64_t o_split, int64_t s_split) {
+  hand_merge<kBytes>(o, s, out, rows, lanes_log2, o_split, s_split);
+}
+
+// hand16 behind the pair instance's parameter block (unread): its own
+// parameters at the offsets past it, the launch copying as many bytes.
+__global__ void __launch_bounds__(1024) hand_big_kernel(const FewLeanParams unread,
+                                                        const __nv_bfloat16* o, const float* s,
+                                                        __nv_bfloat16* out, int rows,
+                                                        int lanes_log2, int64_t o_split,
+                                                        int64_t s_split) {
+  hand_merge<16>(o, s, out, rows, lanes_log2, o_split, s_split);
+}
+
+// hand16 with the same parameter block after its own (unread): the launch
+// copies as many bytes, its own parameters where hand16 has them.
+__global__ void __launch_bounds__(1024) hand_tail_kernel(const __nv_bfloat16* o, const float* s,
+                                                         __nv_bfloat16* out, int rows,
+                                                         int lanes_log2, int64_t o_split,
+                                                         int64_t s_split,
+                                                         const FewLeanParams unread) {
+  hand_merge<16>(o, s, out, rows, lanes_log2, o_split, s_split);
 }
 
 // hand16 with one part of bare (kStep 0 hdiv, 1 h64, 2 hstate, 3 hfirst).
@@ -414,7 +446,8 @@ __global__ void __launch_bounds__(1024) step_kernel(const SmallParams p, int lan
   store_out<kVec, DType::kBFloat16>(p.out, at, result);
 }
 
-int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream) {
+int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream,
+                int big = 0) {
   const int lanes = static_cast<int>(p.head_dim) * 2 / bytes;
   if (lanes < 1 || (lanes & (lanes - 1))) return -1;
   int lanes_log2 = 0;
@@ -428,6 +461,16 @@ int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cu
   }
   const auto* o = static_cast<const __nv_bfloat16*>(p.partial_o);
   auto* out = static_cast<__nv_bfloat16*>(p.out);
+  if (big == 1) {
+    hand_big_kernel<<<ctas, cta, 0, stream>>>(FewLeanParams{}, o, p.stats, out, rows, lanes_log2,
+                                              p.o_stride_split, p.stats_stride_split);
+    return 0;
+  }
+  if (big == 2) {
+    hand_tail_kernel<<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split,
+                                               p.stats_stride_split, FewLeanParams{});
+    return 0;
+  }
   switch (bytes) {
     case 16: hand_kernel<16><<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split, p.stats_stride_split); break;
     case 8: hand_kernel<8><<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split, p.stats_stride_split); break;
@@ -452,7 +495,7 @@ using namespace kvsplit;
 // 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
 // 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare, 25 l8,
 // 26 l8row, 27 l16row, 28 lean, 29 p8, 30 p8row, 31 p16row, 32 pshift, 33 pflat, 34 pmath,
-// 35 pnoexp, 36 phand. Split-major
+// 35 pnoexp, 36 phand, 37 pnopdl, 38 hbigp, 39 htail. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -519,13 +562,16 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       }
       break;
     }
-    case 32: case 33: case 34: case 35: case 36: {
+    case 32: case 33: case 34: case 35: case 36: case 37: {
       int (*const launches[])(const MergeParams&, int, cudaStream_t) = {
           launch_pair_parts<1>, launch_pair_parts<2>, launch_pair_parts<4>, launch_pair_parts<8>,
-          launch_pair_parts<15>};
+          launch_pair_parts<15>, launch_pair_parts<31>};
       if (launches[variant - 32](p, sm_count, stream) != 0) return -1;
       break;
     }
+    case 38: case 39:
+      if (launch_hand(p, 16, false, sm_count, stream, variant - 37) != 0) return -1;
+      break;
     default: {
       KernelConfig config;
       config.family = Family::kFew;

@@ -183,6 +183,20 @@ def test_pruning_keeps_the_measured_winners(head_dim, rows, num_splits, kept):
     assert len(pruned) <= 25 and len(pruned) <= len(candidates(key, pruned=False)) / 2
 
 
+@pytest.mark.parametrize("rows, num_splits, head_dim, low, high", [
+    (8, 2, 128, 36, 48),        # one token, 8 KB: about 80 us of 2 us launches
+    (32, 16, 512, 34, 48),      # 0.5 MB: still small launches
+    (4096, 2, 128, 20, 30),     # 3 MB: 3 us a launch
+    (4096, 16, 512, 2, 3),      # 64 MB: 24 us a launch
+    (16384, 64, 576, 2, 2),     # 1.2 GB: never fewer than two
+])
+def test_a_replay_is_about_80_us_of_launches(rows, num_splits, head_dim, low, high):
+    # Replays of small launches must outlast the host's turn between two (12 launches of 1.5 us
+    # did not), large ones must stay within the first-use budget.
+    key = cpu_key(head_dim, num_splits, rows)
+    assert low <= tuner.replay_batch(key) <= high
+
+
 # -- the winner rule --------------------------------------------------------------------------
 
 def timings(**medians):

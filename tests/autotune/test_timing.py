@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvsplit.autotune.timing import Timing, summarize, time_cuda_graph, time_cuda_graphs, time_host
+from kvsplit.db.schemas import BASELINE, CandidateResult
 
 
 def test_summarize_one_sample():
@@ -21,6 +22,19 @@ def test_summarize_is_order_free_with_deciles_around_the_median():
     assert timing.median_us == 6.0 and timing.samples == 11
     assert 1.0 <= timing.p10_us < timing.median_us < timing.p90_us <= 11.0
     assert timing.spread == pytest.approx((timing.p90_us - timing.p10_us) / 6.0)
+
+
+def test_deciles_of_equal_samples_never_pass_the_median():
+    # Interpolating between equal samples rounded this p10 one ulp above the median, which the
+    # database's CandidateResult refuses: kvsplit tune lost the key (an H100, an FP8-output
+    # key of the coverage grid).
+    samples = [1.6892630802957636] * 11
+    timing = summarize(samples)
+    assert timing.median_us == 1.6892630802957636
+    assert timing.p10_us <= timing.median_us <= timing.p90_us
+    assert timing.p90_us - timing.p10_us < 1e-15
+    CandidateResult(config=BASELINE, median_us=timing.median_us, p10_us=timing.p10_us,
+                    p90_us=timing.p90_us, samples=timing.samples, matched=True)
 
 
 def test_spread_of_a_zero_median_is_zero():

@@ -58,7 +58,9 @@
 //   hbigp    hand16 behind the pair instance's parameter block, unread (its
 //            own parameters past it in the constant bank);
 //   htail    hand16 with that block after its own parameters (as many bytes
-//            a launch, its own where hand16 has them).
+//            a launch, its own where hand16 has them);
+//   hmid     hand16 behind 48 unread bytes (its parameters at the offsets of
+//            the second half of what the pair instance's prologue reads).
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -379,6 +381,19 @@ __global__ void __launch_bounds__(1024) hand_big_kernel(const FewLeanParams unre
   hand_merge<16>(o, s, out, rows, lanes_log2, o_split, s_split);
 }
 
+// Unread bytes ahead of hand16's parameters (hmid: 48, so that they sit where
+// the pair instance's prologue reads the second half of its 80 bytes).
+struct Pad48 {
+  int64_t unread[6];
+};
+
+__global__ void __launch_bounds__(1024) hand_mid_kernel(const Pad48 pad, const __nv_bfloat16* o,
+                                                        const float* s, __nv_bfloat16* out,
+                                                        int rows, int lanes_log2, int64_t o_split,
+                                                        int64_t s_split) {
+  hand_merge<16>(o, s, out, rows, lanes_log2, o_split, s_split);
+}
+
 // hand16 with the same parameter block after its own (unread): the launch
 // copies as many bytes, its own parameters where hand16 has them.
 __global__ void __launch_bounds__(1024) hand_tail_kernel(const __nv_bfloat16* o, const float* s,
@@ -466,6 +481,11 @@ int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cu
                                               p.o_stride_split, p.stats_stride_split);
     return 0;
   }
+  if (big == 3) {
+    hand_mid_kernel<<<ctas, cta, 0, stream>>>(Pad48{}, o, p.stats, out, rows, lanes_log2,
+                                              p.o_stride_split, p.stats_stride_split);
+    return 0;
+  }
   if (big == 2) {
     hand_tail_kernel<<<ctas, cta, 0, stream>>>(o, p.stats, out, rows, lanes_log2, p.o_stride_split,
                                                p.stats_stride_split, FewLeanParams{});
@@ -495,7 +515,7 @@ using namespace kvsplit;
 // 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
 // 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare, 25 l8,
 // 26 l8row, 27 l16row, 28 lean, 29 p8, 30 p8row, 31 p16row, 32 pshift, 33 pflat, 34 pmath,
-// 35 pnoexp, 36 phand, 37 pnopdl, 38 hbigp, 39 htail. Split-major
+// 35 pnoexp, 36 phand, 37 pnopdl, 38 hbigp, 39 htail, 40 hmid. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -569,7 +589,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       if (launches[variant - 32](p, sm_count, stream) != 0) return -1;
       break;
     }
-    case 38: case 39:
+    case 38: case 39: case 40:
       if (launch_hand(p, 16, false, sm_count, stream, variant - 37) != 0) return -1;
       break;
     default: {

@@ -172,12 +172,13 @@ _MAX_BATCH = 48  # launches a replay at most (small shapes)
 
 
 def replay_batch(key) -> int:
-    """Launches a CUDA graph of ``key``'s candidates captures: about ``_REPLAY_US`` of work at
-    about 3 TB/s and 2 us a launch, fewer for large shapes (the first-use budget), more for
-    small ones. A replay shorter than the host's turn between two (its events and its
-    ``replay()``) starts only when the host gets there, the GPU idle since the start event:
-    the wait lands in its time, up to 0.5 us a launch at 12 launches of 1.5 us, and differently
-    for each candidate (docs/history.md, "Replays that outlast the host's turn")."""
+    """How many launches each candidate's CUDA graph captures at ``key``: about
+    ``_REPLAY_US`` of work at about 3 TB/s and 2 us a launch, few for large shapes (the
+    first-use budget), up to ``_MAX_BATCH`` for small ones. A replay shorter than the host's
+    turn between two (its events and its ``replay()``) starts only when the host gets there,
+    the GPU idle since the start event: the wait lands in its time, up to 0.5 us a launch at
+    12 launches of 1.5 us, and differently for each candidate (docs/history.md, "Replays that
+    outlast the host's turn")."""
     launch_us = _partial_bytes(key) / 3e6 + 2.0
     return max(2, min(_MAX_BATCH, round(_REPLAY_US / launch_us)))
 

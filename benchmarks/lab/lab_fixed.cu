@@ -159,6 +159,15 @@ __global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewLeanParams 
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kBytes>(p);
 }
 
+// log2 of a power of two, or -1 for any other count (the shift-based variants'
+// lanes a row).
+int exact_log2(uint32_t lanes) {
+  if (lanes == 0 || (lanes & (lanes - 1))) return -1;
+  int log2 = 0;
+  while ((1u << log2) < lanes) ++log2;
+  return log2;
+}
+
 // A two-state call of `p` as the product's lean kernel takes it at `bytes` a
 // thread a state: its parameters `f`, make_few_launch's `shape` and the heads
 // a token; false where the call does not take the pair instance or its row
@@ -266,10 +275,8 @@ int launch_pair_parts(const MergeParams& p, int sm_count, cudaStream_t stream) {
   if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads) || ((kParts & 2) && heads != 1)) {
     return -1;
   }
-  const uint32_t lanes = f.lanes.divisor;
-  if ((kParts & 1) && (lanes & (lanes - 1))) return -1;
-  int lanes_log2 = 0;
-  while ((1u << lanes_log2) < lanes) ++lanes_log2;
+  const int lanes_log2 = exact_log2(f.lanes.divisor);
+  if ((kParts & 1) && lanes_log2 < 0) return -1;
   pair_parts_kernel<kParts><<<static_cast<unsigned>(shape.ctas), shape.cta_threads, 0, stream>>>(
       f, lanes_log2);
   return 0;
@@ -464,9 +471,8 @@ __global__ void __launch_bounds__(1024) step_kernel(const SmallParams p, int lan
 int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream,
                 int big = 0) {
   const int lanes = static_cast<int>(p.head_dim) * 2 / bytes;
-  if (lanes < 1 || (lanes & (lanes - 1))) return -1;
-  int lanes_log2 = 0;
-  while ((1 << lanes_log2) < lanes) ++lanes_log2;
+  const int lanes_log2 = lanes < 1 ? -1 : exact_log2(static_cast<uint32_t>(lanes));
+  if (lanes_log2 < 0) return -1;
   const int rows = static_cast<int>(p.rows);
   int cta = lanes, ctas = rows;
   if (!row_grid) {
@@ -544,10 +550,8 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       break;
     }
     case 12: case 13: case 14: case 15: {
-      const int lanes = static_cast<int>(geo.lanes.divisor);
-      if (lanes & (lanes - 1)) return -1;
-      int lanes_log2 = 0;
-      while ((1 << lanes_log2) < lanes) ++lanes_log2;
+      const int lanes_log2 = exact_log2(geo.lanes.divisor);
+      if (lanes_log2 < 0) return -1;
       void (*const kernels[])(SmallParams, int) = {step_kernel<0>, step_kernel<1>, step_kernel<2>,
                                                     step_kernel<3>};
       kernels[variant - 12]<<<grid, block, 0, stream>>>(small, lanes_log2);

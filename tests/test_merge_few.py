@@ -13,6 +13,7 @@ combination: the CPU twin's rounds are the kernel's).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -429,6 +430,97 @@ def test_two_states_take_the_pair_instance_with_the_general_bits(device, fmt, pa
         if fmt == "lse":
             torch.testing.assert_close(pair_stats.double().reshape(-1)[rows],
                                        ref_stats.float().double()[rows], rtol=1e-5, atol=1e-6)
+
+
+def launched_kernel(call):
+    """(name, trailing bool template arguments, result) of the one kernel ``call`` launches,
+    from the CUDA profiler's name of it, demangled (``few_lean_kernel<(kvsplit::DType)0, ...,
+    true, false>(...)``) or not (``_ZN7kvsplit15few_lean_kernelIL...Lb1ELb0EEEv...``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) == 1, names
+    name = names[0]
+    if name.startswith("_Z"):
+        kernel = re.search(r"kvsplit\d+(\w+?)I", name).group(1)
+        flags = [f == "1" for f in re.findall(r"Lb([01])E", name)]
+    else:
+        start = name.index("<")
+        kernel = name[:start].split("::")[-1]
+        args = name[start + 1:name.rindex(">")].split(", ")
+        flags = [a == "true" for a in args if a in ("true", "false")]
+    return kernel, flags, result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, partial_dtype, out_dtype", [
+    ("lse", torch.bfloat16, None), ("lse", torch.float16, None), ("lse", torch.float32, None),
+    ("lse", torch.bfloat16, torch.float32), ("lse", torch.bfloat16, torch.float8_e4m3fn),
+    ("maxsum", torch.bfloat16, None), ("maxsum", torch.float32, None)])
+def test_packed_rows_take_the_packed_instance_with_the_general_bits(
+        cuda_device, fmt, partial_dtype, out_dtype, monkeypatch):
+    """Two to four states whose partials and output lie row after row (split-major
+    (token, head) rows, any split stride) at a power-of-two count of threads a row take the
+    lean kernel's packed instance (its rows by a shift, its offsets the thread's index); the
+    same call with heads sliced out of more takes the instance for (token, head) strides,
+    and with ``pass_through_from`` at the token count the general kernel. The same bits,
+    output and exported stats, with empty states, a whole empty row, a NaN stat and 35 rows
+    (the last warp part empty); the float64 reference on the rows without NaN."""
+    pin(monkeypatch, KernelConfig.few(1))
+    tokens, heads = 5, 7
+    for num_splits in (2, 3, 4):
+        for head_dim in (64, 512):
+            gen = torch.Generator().manual_seed(num_splits * head_dim + len(fmt)
+                                                + partial_dtype.itemsize)
+            for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen,
+                                        partial_dtype)[::2]:  # split-major, sliced
+                lse = lse.clone()
+                lse[:, 3, 1] = -math.inf  # an empty row
+                lse[1, 4, 6] = math.nan  # a NaN row
+                clean = torch.ones(tokens, heads, dtype=torch.bool)
+                clean[4, 6] = False
+                o_gpu = o.to(cuda_device)
+                if fmt == "lse":
+                    stats = lse.to(cuda_device)
+                    ref, ref_stats = reference.merge_lse_reference(
+                        o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1),
+                        base=math.e)
+
+                    def run(p):
+                        return kvsplit.merge_lse(o_gpu, stats, base=math.e, return_lse=True,
+                                                 out_dtype=out_dtype, pass_through_from=p)
+                else:
+                    sums = torch.rand(num_splits, tokens, heads, generator=gen) + 0.5
+                    host_stats = torch.stack([lse, sums], -1)
+                    stats = host_stats.to(cuda_device)
+                    ref, ref_stats = reference.merge_maxsum_reference(
+                        o.reshape(num_splits, -1, head_dim),
+                        host_stats.reshape(num_splits, -1, 2), 0.7)
+
+                    def run(p):
+                        return kvsplit.merge_maxsum(o_gpu, stats, 0.7, return_stats=True,
+                                                    out_dtype=out_dtype, pass_through_from=p)
+                run(None)  # tuned or not, the next call launches one kernel
+                kernel, flags, (packed, packed_stats) = launched_kernel(lambda: run(None))
+                assert kernel == "few_lean_kernel", (name, kernel)
+                # few_lean_kernel<..., kPair, kPacked>
+                assert flags[-2:] == [num_splits == 2, name == "split-major"], (name, flags)
+                general, general_stats = run(tokens)
+                packed, general = packed.cpu(), general.cpu()
+                assert torch.equal(packed.view(torch.uint8), general.view(torch.uint8)), name
+                assert torch.equal(packed_stats.cpu().view(torch.int32),
+                                   general_stats.cpu().view(torch.int32)), name
+                assert packed[4, 6].float().isnan().all(), name
+                assert torch.equal(packed[3, 1].float(), torch.zeros(head_dim)), name
+                rows = clean.reshape(-1)
+                expected = ref[rows]
+                if out_dtype == torch.float8_e4m3fn:
+                    expected = expected.to(out_dtype).double()
+                tolerance = (dict(rtol=2 ** -3, atol=2 ** -9) if out_dtype == torch.float8_e4m3fn
+                             else dict(rtol=2 ** -7, atol=1e-5))
+                torch.testing.assert_close(packed.double().reshape(-1, head_dim)[rows],
+                                           expected, **tolerance)
 
 
 @pytest.mark.parametrize("vectors", [1, 2, 4])

@@ -60,7 +60,14 @@
 //   htail    hand16 with that block after its own parameters (as many bytes
 //            a launch, its own where hand16 has them);
 //   hmid     hand16 behind 48 unread bytes (its parameters at the offsets of
-//            the second half of what the pair instance's prologue reads).
+//            the second half of what the pair instance's prologue reads);
+//   pair     the pair instance on rows addressed by (token, head) strides, as
+//            the product launched two packed states before its packed
+//            instance (kPacked);
+//   packed / pkrow / pk8 / pk8row
+//            the packed pair instance (what `product` launches here) on
+//            make_few_launch's CTAs or one CTA a row, loading 16 or 8 bytes
+//            of a state's row a thread.
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -154,26 +161,20 @@ __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const FewLe
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p);
 }
 
-template <int kBytes, bool kPair>
+template <int kBytes, bool kPair, bool kPacked = false>
 __global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewLeanParams p) {
-  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kBytes>(p);
+  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kPacked,
+                 kBytes>(p);
 }
 
 // log2 of a power of two, or -1 for any other count (the shift-based variants'
 // lanes a row).
-int exact_log2(uint32_t lanes) {
-  if (lanes == 0 || (lanes & (lanes - 1))) return -1;
-  int log2 = 0;
-  while ((1u << log2) < lanes) ++log2;
-  return log2;
-}
-
 // A two-state call of `p` as the product's lean kernel takes it at `bytes` a
 // thread a state: its parameters `f`, make_few_launch's `shape` and the heads
 // a token; false where the call does not take the pair instance or its row
 // needs more than 256 threads.
 bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, FewLaunch& shape,
-               uint32_t& heads) {
+               uint32_t& heads, bool packed = false) {
   const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1, bytes);
   if (lanes < 1 || lanes > 256) return false;
   shape = make_few_launch(lanes, p.rows, sm_count);
@@ -183,23 +184,25 @@ bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, 
   heads = 1;
   if (!few_lean_call(p, p.rows * lanes, 2, lean, heads) || !few_pair_call(lean)) return false;
   f = few_lean_params(lean, heads, geo);
-  return true;
+  return !packed || few_packed_call(lean, heads, lanes, f);
 }
 
 // The product's lean kernel (`pair`: its pair instance) with kBytes a thread
 // a state, on make_few_launch's CTAs or one CTA a row; -1 where the call does
 // not take it.
 int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair, int sm_count,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, bool packed = false) {
   FewLeanParams f;
   FewLaunch shape;
   uint32_t heads;
-  if (!pair_call(p, bytes, sm_count, f, shape, heads)) return -1;
+  if (!pair_call(p, bytes, sm_count, f, shape, heads, packed)) return -1;
   const unsigned cta = row_grid ? f.lanes.divisor : shape.cta_threads;
   const auto ctas = static_cast<unsigned>(row_grid ? p.rows : shape.ctas);
-  void (*const kernels[])(FewLeanParams) = {lean_bytes_kernel<8, false>, lean_bytes_kernel<16, false>,
-                                             lean_bytes_kernel<8, true>, lean_bytes_kernel<16, true>};
-  kernels[(bytes == 16 ? 1 : 0) + (pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
+  void (*const kernels[])(FewLeanParams) = {
+      lean_bytes_kernel<8, false>,       lean_bytes_kernel<16, false>,
+      lean_bytes_kernel<8, true>,        lean_bytes_kernel<16, true>,
+      lean_bytes_kernel<8, true, true>,  lean_bytes_kernel<16, true, true>};
+  kernels[(bytes == 16 ? 1 : 0) + (packed ? 4 : pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
   return 0;
 }
 
@@ -275,7 +278,7 @@ int launch_pair_parts(const MergeParams& p, int sm_count, cudaStream_t stream) {
   if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads) || ((kParts & 2) && heads != 1)) {
     return -1;
   }
-  const int lanes_log2 = exact_log2(f.lanes.divisor);
+  const int lanes_log2 = few_lanes_log2(static_cast<int>(f.lanes.divisor));
   if ((kParts & 1) && lanes_log2 < 0) return -1;
   pair_parts_kernel<kParts><<<static_cast<unsigned>(shape.ctas), shape.cta_threads, 0, stream>>>(
       f, lanes_log2);
@@ -471,7 +474,7 @@ __global__ void __launch_bounds__(1024) step_kernel(const SmallParams p, int lan
 int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream,
                 int big = 0) {
   const int lanes = static_cast<int>(p.head_dim) * 2 / bytes;
-  const int lanes_log2 = lanes < 1 ? -1 : exact_log2(static_cast<uint32_t>(lanes));
+  const int lanes_log2 = few_lanes_log2(lanes);
   if (lanes_log2 < 0) return -1;
   const int rows = static_cast<int>(p.rows);
   int cta = lanes, ctas = rows;
@@ -550,7 +553,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       break;
     }
     case 12: case 13: case 14: case 15: {
-      const int lanes_log2 = exact_log2(geo.lanes.divisor);
+      const int lanes_log2 = few_lanes_log2(static_cast<int>(geo.lanes.divisor));
       if (lanes_log2 < 0) return -1;
       void (*const kernels[])(SmallParams, int) = {step_kernel<0>, step_kernel<1>, step_kernel<2>,
                                                     step_kernel<3>};
@@ -596,6 +599,15 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
     case 38: case 39: case 40:
       if (launch_hand(p, 16, false, sm_count, stream, variant - 37) != 0) return -1;
       break;
+    case 41: case 42: case 43: case 44: case 45: {
+      const int bytes[] = {16, 16, 16, 8, 8};
+      const bool rows[] = {false, false, true, false, true};
+      if (launch_lean_bytes(p, bytes[variant - 41], rows[variant - 41], true, sm_count, stream,
+                            variant > 41) != 0) {
+        return -1;
+      }
+      break;
+    }
     default: {
       KernelConfig config;
       config.family = Family::kFew;

@@ -254,11 +254,12 @@ struct FewLeanParams {
   void* out;
   int32_t out_token, out_head;
   int32_t row_vectors;  // vectors of a row (few_lean_vector_bytes each)
-  float export_scale;
+  int32_t lanes_log2;  // log2 of lanes, in packed calls (few_packed_call); else -1
   float* out_stats;
   int32_t out_stats_token, out_stats_head;
   const float* out_scale;
   bool stats_in_place;
+  float export_scale;
 };
 static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay compact");
 
@@ -283,33 +284,57 @@ static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay c
 // rows leave first, so that no load waits on a predicate, and its round is
 // written out for two states: the same operations in the same order as
 // merge_batch's on a fresh state, so the same bits.
+// kPacked: the instance for calls whose rows lie packed one after another in
+// the partials and the output, a power-of-two count of threads a row
+// (few_packed_call), at one vector a thread: a thread's row is a shift of its
+// index and its offset in both tensors the index times the vector, so that
+// its first load waits on 13 instructions instead of 39 (sm_90a; two
+// divisions and the (token, head) offsets: benchmarks/lab/lab_fixed.py's
+// `pair` against `product`). Its threads past the rows leave first too.
 // kLoadBytes: the bytes of a state's row a thread loads (the kernel lab
 // tries others).
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
-          bool kPair = false, int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth)>
+          bool kPair = false, bool kPacked = false,
+          int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth)>
 __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   static_assert(!kPair || (kDepth == 2 && kVectors == 1), "a pair is two states, one vector");
+  static_assert(!kPacked || kVectors == 1, "packed rows are one vector a thread");
+  constexpr bool kLeaveFirst = kPair || kPacked;  // no thread past the rows stays
   constexpr int kVec = kLoadBytes / elem_bytes<kPartial>();
   constexpr int kElems = kVec * kVectors;
   using Partial = typename CudaType<kPartial>::type;
 
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint32_t row = p.lanes.div(thread);
-  const int lanes = static_cast<int>(p.lanes.divisor);
-  const int lane = static_cast<int>(thread - row * p.lanes.divisor);
-  const auto token = static_cast<int32_t>(p.heads.div(row));
-  const auto head = static_cast<int32_t>(row - token * p.heads.divisor);
+  uint32_t row;
+  int lanes, lane;
+  int32_t token, head;
+  if constexpr (kPacked) {
+    row = thread >> p.lanes_log2;
+    lanes = 1 << p.lanes_log2;
+    lane = static_cast<int>(thread - (row << p.lanes_log2));
+    token = static_cast<int32_t>(row);  // few_packed_call: one head a token
+    head = 0;
+  } else {
+    row = p.lanes.div(thread);
+    lanes = static_cast<int>(p.lanes.divisor);
+    lane = static_cast<int>(thread - row * p.lanes.divisor);
+    token = static_cast<int32_t>(p.heads.div(row));
+    head = static_cast<int32_t>(row - token * p.heads.divisor);
+  }
   const bool active = row < static_cast<uint32_t>(p.rows);
-  bool holds[kVectors];  // a pair's thread: one vector of a row of `lanes` (few_threads_per_row)
+  bool holds[kVectors];  // one vector of a row of `lanes` (few_threads_per_row)
 #pragma unroll
-  for (int u = 0; u < kVectors; ++u) holds[u] = kPair || lane + u * lanes < p.row_vectors;
+  for (int u = 0; u < kVectors; ++u) holds[u] = kLeaveFirst || lane + u * lanes < p.row_vectors;
 
-  if (kPair && !active) return;
+  if (kLeaveFirst && !active) return;
   pdl_wait();
   // Issued before the merge's loads so that its latency hides behind theirs.
   const float out_scale = is_fp8(kOut) && p.out_scale != nullptr ? __ldg(p.out_scale) : 1.f;
+  // Packed: the row's first element is row * lanes * kVec (few_packed_call),
+  // below 2^31 (few_lean_call).
   const Partial* o = static_cast<const Partial*>(p.partial_o) +
-                     (token * p.o_token + head * p.o_head + lane * kVec);
+                     (kPacked ? static_cast<int32_t>(thread) * kVec
+                              : token * p.o_token + head * p.o_head + lane * kVec);
   const float* s = p.stats + (token * p.s_token + head * p.s_head);
   MergeState<kElems> state;
   if constexpr (kPair) {
@@ -342,8 +367,8 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
     // sm_90a: 55 against 32 for two states and one vector, 108 against 56 for
     // four states and two vectors), fewer CTAs an SM at large row counts.
     merge_few_round<kDepth, kVectors, kPartial, kFormat, kElems, false, kLoadBytes>(
-        state, o, s, active ? p.num_splits : 0, p.o_split, p.s_split, lanes * kVec, holds,
-        p.log2_scale, p.empty_stat);
+        state, o, s, active || kLeaveFirst ? p.num_splits : 0, p.o_split, p.s_split,
+        lanes * kVec, holds, p.log2_scale, p.empty_stat);
     pdl_trigger();
   }
 
@@ -351,7 +376,8 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   const float total = kFormat == StatsFormat::kLse
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
-  if (p.stats_in_place) __syncwarp();  // as in few_kernel
+  // As in few_kernel; the pair and packed instances serve no in-place export.
+  if (!kLeaveFirst && p.stats_in_place) __syncwarp();
   // The row's stats, from the thread at column 0.
   const auto export_row = [&] {
     write_stats<kFormat>(p.out_stats + (token * p.out_stats_token + head * p.out_stats_head),
@@ -369,7 +395,8 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
     float vector[kVec];
 #pragma unroll
     for (int v = 0; v < kVec; ++v) vector[v] = out[u * kVec + v];
-    const int32_t at = out_row + (lane + u * lanes) * kVec;
+    const int32_t at = kPacked ? static_cast<int32_t>(thread) * kVec
+                               : out_row + (lane + u * lanes) * kVec;
     if constexpr (is_fp8(kOut)) {
 #pragma unroll
       for (int v = 0; v < kVec; ++v) vector[v] = fp8_prepare(vector[v], inverse_scale);
@@ -380,10 +407,10 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
 }
 
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
-          bool kPair = false>
+          bool kPair = false, bool kPacked = false>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_lean_kernel(const FewLeanParams p) {
-  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair>(p);
+  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair, kPacked>(p);
 }
 
 // Row strides over (token, head) with token = batch * seqlen + token, or
@@ -455,6 +482,43 @@ inline bool few_pair_call(const MergeParams& lean) {
   return lean.num_splits == 2 && !lean.stats_in_place;
 }
 
+// The stride from one row to the next of a tensor whose (token, head) rows
+// are evenly spaced (one head a token, or a token stride of `heads` head
+// strides), in `row`; false for any other layout.
+inline bool even_row_stride(const RowStrides& s, uint32_t heads, int64_t& row) {
+  if (heads != 1 && s.token != int64_t{heads} * s.head) return false;
+  row = heads == 1 ? s.token : s.head;
+  return true;
+}
+
+// Whether a lean call (`lean`, `heads`, as few_lean_params made `f`) of
+// `lanes` threads a row at one vector a thread takes the packed instance
+// (few_lean_merge's kPacked): a power-of-two count of lanes, partials' and
+// output's rows each head_dim elements after the last (any split stride, any
+// row stride of the stats), and no in-place export (its threads past the
+// rows leave first). If so, `f` addresses the rows as one head a token.
+inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
+                            FewLeanParams& f) {
+  const int lanes_log2 = few_lanes_log2(lanes);
+  int64_t o_row = 0, s_row = 0, out_row = 0, out_stats_row = 0;
+  if (lanes_log2 < 0 || lean.stats_in_place || !even_row_stride(lean.o_row, heads, o_row) ||
+      !even_row_stride(lean.stats_row, heads, s_row) ||
+      !even_row_stride(lean.out_row, heads, out_row) || o_row != lean.head_dim ||
+      out_row != lean.head_dim ||
+      (lean.out_stats != nullptr && !even_row_stride(lean.out_stats_row, heads, out_stats_row))) {
+    return false;
+  }
+  // Within 32 bits, as every row's offsets are (few_lean_call).
+  f.heads = FastDivmod(1);
+  f.lanes_log2 = lanes_log2;
+  f.o_token = static_cast<int32_t>(o_row);
+  f.s_token = static_cast<int32_t>(s_row);
+  f.out_token = static_cast<int32_t>(out_row);
+  f.out_stats_token = static_cast<int32_t>(out_stats_row);
+  f.o_head = f.s_head = f.out_head = f.out_stats_head = 0;
+  return true;
+}
+
 // The order in which the lean kernel's threads take a call's rows: (token,
 // head), or (head, token) where that puts adjacent threads' stats side by side
 // (a head-major LSE: vLLM's and FlashAttention's [heads, tokens]). Rows are
@@ -518,6 +582,7 @@ inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
   f.out_token = i32(lean.out_row.token);
   f.out_head = i32(lean.out_row.head);
   f.row_vectors = geo.row_vectors;
+  f.lanes_log2 = -1;  // few_packed_call sets it
   f.export_scale = lean.export_scale;
   f.out_stats = lean.out_stats;
   f.out_stats_token = lean.out_stats != nullptr ? i32(lean.out_stats_row.token) : 0;
@@ -581,17 +646,26 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
-          auto kernel = lean_instance(p.out_dtype, [&](auto out) {
-            return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, decltype(out)::value>;
-          });
-          if constexpr (kDepth == 2 && kVectors == 1) {
-            if (few_pair_call(lean)) {
-              kernel = lean_instance(p.out_dtype, [&](auto out) {
-                return few_lean_kernel<kPartial, kFormat, 2, 1, decltype(out)::value, true>;
-              });
+          FewLeanParams f = few_lean_params(lean, heads, geo);
+          // Instances at one vector a thread: the pair (exactly two states) and,
+          // at two and four states, the packed rows'.
+          const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
+          const bool packed = (kDepth == 2 || kDepth == 4) && kVectors == 1 &&
+                              few_packed_call(lean, heads, lanes, f);
+          const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
+            constexpr DType kOut = decltype(out)::value;
+            if constexpr (kVectors == 1 && kDepth == 2) {
+              if (pair) {
+                return packed ? few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true, true>
+                              : few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true>;
+              }
             }
-          }
-          error = cudaLaunchKernelEx(&launch.config, kernel, few_lean_params(lean, heads, geo));
+            if constexpr (kVectors == 1 && (kDepth == 2 || kDepth == 4)) {
+              if (packed) return few_lean_kernel<kPartial, kFormat, kDepth, 1, kOut, false, true>;
+            }
+            return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, kOut>;
+          });
+          error = cudaLaunchKernelEx(&launch.config, kernel, f);
         }
       } else {
         status = fail(Error::kVectors, kVectors);

@@ -343,6 +343,12 @@ def test_offsets_past_2_to_the_31(cuda_device, vectors, merge_kit, chosen_kv_spl
     assert chosen_kv_split == [config]
 
 
+def on(t, device):
+    """``t`` on ``device`` with its strides: ``Tensor.to`` gives a tensor with gaps between its
+    rows (the sliced layout below) contiguous strides."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+
+
 def layouts(num_splits, tokens, heads, head_dim, gen, dtype=torch.bfloat16):
     """(name, partials, LSE) of one problem, (num_splits, tokens, heads, D), in the layouts
     the kernels address differently: split-major (flat rows), token-major partials with a
@@ -375,7 +381,7 @@ def test_the_lean_kernel_and_the_general_one_agree(device, vectors, monkeypatch)
             ref, ref_lse = reference.merge_lse_reference(
                 o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e)
             counts = torch.full((tokens, heads), num_splits, dtype=torch.int32)
-            runs = [kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, return_lse=True,
+            runs = [kvsplit.merge_lse(on(o, device), lse.to(device), base=math.e, return_lse=True,
                                       split_counts=c) for c in (None, counts.to(device))]
             (lean, lean_lse), (general, general_lse) = runs
             assert torch.equal(lean, general) and torch.equal(lean_lse, general_lse), name
@@ -408,7 +414,7 @@ def test_two_states_take_the_pair_instance_with_the_general_bits(device, fmt, pa
             stats = lse
             ref, ref_stats = reference.merge_lse_reference(
                 o.reshape(2, -1, head_dim), stats.reshape(2, -1), base=math.e)
-            runs = [kvsplit.merge_lse(o.to(device), stats.to(device), base=math.e,
+            runs = [kvsplit.merge_lse(on(o, device), stats.to(device), base=math.e,
                                       return_lse=True, pass_through_from=p)
                     for p in (None, tokens)]
         else:
@@ -416,7 +422,7 @@ def test_two_states_take_the_pair_instance_with_the_general_bits(device, fmt, pa
             stats = torch.stack([lse, sums], -1)
             ref, ref_stats = reference.merge_maxsum_reference(
                 o.reshape(2, -1, head_dim), stats.reshape(2, -1, 2), 0.7)
-            runs = [kvsplit.merge_maxsum(o.to(device), stats.to(device), 0.7, return_stats=True,
+            runs = [kvsplit.merge_maxsum(on(o, device), stats.to(device), 0.7, return_stats=True,
                                          pass_through_from=p) for p in (None, tokens)]
         (pair, pair_stats), (general, general_stats) = ((a.cpu(), b.cpu()) for a, b in runs)
         assert torch.equal(pair.view(torch.uint8), general.view(torch.uint8)), name
@@ -480,7 +486,7 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
                 lse[1, 4, 6] = math.nan  # a NaN row
                 clean = torch.ones(tokens, heads, dtype=torch.bool)
                 clean[4, 6] = False
-                o_gpu = o.to(cuda_device)
+                o_gpu = on(o, cuda_device)
                 if fmt == "lse":
                     stats = lse.to(cuda_device)
                     ref, ref_stats = reference.merge_lse_reference(
@@ -549,7 +555,7 @@ def test_other_output_dtypes_take_the_lean_kernel_with_the_general_ones_bits(
             ref, ref_lse = reference.merge_lse_reference(
                 o.reshape(num_splits, -1, head_dim), lse.reshape(num_splits, -1), base=math.e)
             counts = torch.full((tokens, heads), num_splits, dtype=torch.int32)
-            runs = [kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, out_dtype=out_dtype,
+            runs = [kvsplit.merge_lse(on(o, device), lse.to(device), base=math.e, out_dtype=out_dtype,
                                       out_scale=None if scale is None else scale.to(device),
                                       split_counts=c, return_lse=True)
                     for c in (None, counts.to(device))]
@@ -603,7 +609,7 @@ def test_empty_rows_write_zeros_whatever_their_partials_hold(device, num_splits,
     empty = [1, 4, 8]
     lse[:, empty] = -math.inf
     o[0, 1], o[-1, 4, :3] = math.nan, math.inf
-    out, out_lse = kvsplit.merge_lse(o.to(device), lse.to(device), base=math.e, return_lse=True)
+    out, out_lse = kvsplit.merge_lse(on(o, device), lse.to(device), base=math.e, return_lse=True)
     out, out_lse = out.cpu(), out_lse.cpu()
     assert torch.equal(out[empty], torch.zeros(len(empty), head_dim, dtype=out.dtype))
     assert torch.equal(out_lse[empty], torch.full((len(empty),), -math.inf))

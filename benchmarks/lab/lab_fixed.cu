@@ -67,7 +67,11 @@
 //   packed / pkrow / pk8 / pk8row
 //            the packed pair instance (what `product` launches here) on
 //            make_few_launch's CTAs or one CTA a row, loading 16 or 8 bytes
-//            of a state's row a thread.
+//            of a state's row a thread;
+//   pkc64 / pkc128 / pkc256 / pk8c128 / pk8c256
+//            the packed pair instance on CTAs of 64, 128 or 256 threads
+//            (16-byte loads) or 128 or 256 (8-byte loads), as few CTAs as
+//            the rows need.
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -191,13 +195,17 @@ bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, 
 // a state, on make_few_launch's CTAs or one CTA a row; -1 where the call does
 // not take it.
 int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair, int sm_count,
-                      cudaStream_t stream, bool packed = false) {
+                      cudaStream_t stream, bool packed = false, int cta_threads = 0) {
   FewLeanParams f;
   FewLaunch shape;
   uint32_t heads;
   if (!pair_call(p, bytes, sm_count, f, shape, heads, packed)) return -1;
-  const unsigned cta = row_grid ? f.lanes.divisor : shape.cta_threads;
-  const auto ctas = static_cast<unsigned>(row_grid ? p.rows : shape.ctas);
+  unsigned cta = row_grid ? f.lanes.divisor : shape.cta_threads;
+  auto ctas = static_cast<unsigned>(row_grid ? p.rows : shape.ctas);
+  if (cta_threads > 0) {  // CTAs of this size, as many as the rows' threads need
+    cta = static_cast<unsigned>(cta_threads);
+    ctas = static_cast<unsigned>((p.rows * f.lanes.divisor + cta - 1) / cta);
+  }
   void (*const kernels[])(FewLeanParams) = {
       lean_bytes_kernel<8, false>,       lean_bytes_kernel<16, false>,
       lean_bytes_kernel<8, true>,        lean_bytes_kernel<16, true>,
@@ -604,6 +612,15 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       const bool rows[] = {false, false, true, false, true};
       if (launch_lean_bytes(p, bytes[variant - 41], rows[variant - 41], true, sm_count, stream,
                             variant > 41) != 0) {
+        return -1;
+      }
+      break;
+    }
+    case 46: case 47: case 48: case 49: case 50: {
+      const int bytes[] = {16, 16, 16, 8, 8};
+      const int ctas[] = {64, 128, 256, 128, 256};
+      if (launch_lean_bytes(p, bytes[variant - 46], false, true, sm_count, stream, true,
+                            ctas[variant - 46]) != 0) {
         return -1;
       }
       break;

@@ -286,7 +286,7 @@ int launch_pair_parts(const MergeParams& p, int sm_count, cudaStream_t stream) {
   if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads) || ((kParts & 2) && heads != 1)) {
     return -1;
   }
-  const int lanes_log2 = few_lanes_log2(static_cast<int>(f.lanes.divisor));
+  const int lanes_log2 = exact_log2(static_cast<int>(f.lanes.divisor));
   if ((kParts & 1) && lanes_log2 < 0) return -1;
   pair_parts_kernel<kParts><<<static_cast<unsigned>(shape.ctas), shape.cta_threads, 0, stream>>>(
       f, lanes_log2);
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(1024) step_kernel(const SmallParams p, int lan
 int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cudaStream_t stream,
                 int big = 0) {
   const int lanes = static_cast<int>(p.head_dim) * 2 / bytes;
-  const int lanes_log2 = few_lanes_log2(lanes);
+  const int lanes_log2 = exact_log2(lanes);
   if (lanes_log2 < 0) return -1;
   const int rows = static_cast<int>(p.rows);
   int cta = lanes, ctas = rows;
@@ -561,7 +561,7 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       break;
     }
     case 12: case 13: case 14: case 15: {
-      const int lanes_log2 = few_lanes_log2(static_cast<int>(geo.lanes.divisor));
+      const int lanes_log2 = exact_log2(static_cast<int>(geo.lanes.divisor));
       if (lanes_log2 < 0) return -1;
       void (*const kernels[])(SmallParams, int) = {step_kernel<0>, step_kernel<1>, step_kernel<2>,
                                                     step_kernel<3>};

@@ -21,14 +21,6 @@ constexpr int64_t kDsplitWideItems = KVSPLIT_DSPLIT_WIDE_ITEMS;
 // Bytes of a row each lane loads per partial.
 constexpr int kDsplitLaneBytes = KVSPLIT_DSPLIT_LANE_BYTES;
 
-// log2 of a power of two, -1 for anything else.
-KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {
-  if (value < 1) return -1;
-  int log2 = 0;
-  while ((1 << log2) < value) ++log2;
-  return (1 << log2) == value ? log2 : -1;
-}
-
 // 16-byte vectors of each slice of a row cut into `slices` (the last slice
 // may be shorter), or 0 when `slices` is not a power of two or leaves a slice
 // empty.

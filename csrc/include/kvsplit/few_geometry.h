@@ -80,14 +80,6 @@ KVSPLIT_HOST_DEVICE constexpr int few_threads_per_row(int head_dim, int elem_byt
   return (vectors - 1) * lanes < row_vectors ? lanes : 0;
 }
 
-// log2 of a count of threads a row that is a power of two, else -1.
-KVSPLIT_HOST_DEVICE constexpr int few_lanes_log2(int lanes) {
-  if (lanes < 1 || (lanes & (lanes - 1)) != 0) return -1;
-  int log2 = 0;
-  while ((1 << log2) < lanes) ++log2;
-  return log2;
-}
-
 // n / d and n % d for 0 <= n < 2^31 by one multiply-high and a shift, with
 // the divisor's magic numbers made once on the host: a 32-bit division by a
 // runtime value is a sequence of about 20 instructions on the GPU, which

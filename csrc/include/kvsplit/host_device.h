@@ -1,4 +1,5 @@
-// Qualifiers for code that both the CUDA kernels and the host compile.
+// Qualifiers for code that both the CUDA kernels and the host compile, and
+// the integer helper both families' geometry uses.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -8,3 +9,15 @@
 #define KVSPLIT_HOST_DEVICE
 #define KVSPLIT_HD inline
 #endif
+
+namespace kvsplit {
+
+// log2 of a power of two, -1 for anything else.
+KVSPLIT_HOST_DEVICE constexpr int exact_log2(int value) {
+  if (value < 1) return -1;
+  int log2 = 0;
+  while ((1 << log2) < value) ++log2;
+  return (1 << log2) == value ? log2 : -1;
+}
+
+}  // namespace kvsplit

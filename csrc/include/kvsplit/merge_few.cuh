@@ -234,7 +234,8 @@ constexpr int few_lean_vector_bytes(DType partial, DType out, int depth) {
 
 // The lean kernel's parameters: what it reads of MergeParams and FewGeometry,
 // with 32-bit row strides (few_lean_call checks that every row offset fits),
-// in 144 bytes, the fields its first loads wait for in the first 88. Taking
+// in 144 bytes, the fields its first loads wait for in the first 112 (the
+// packed instances' lanes_log2 at 108). Taking
 // MergeParams itself (920 bytes with the geometry, these fields spread over
 // it) cost a 5-10 MB merge 0.30-0.36 us with identical machine code
 // (benchmarks/lab/lab_split.py, m-base against split1).
@@ -499,7 +500,7 @@ inline bool even_row_stride(const RowStrides& s, uint32_t heads, int64_t& row) {
 // rows leave first). If so, `f` addresses the rows as one head a token.
 inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
                             FewLeanParams& f) {
-  const int lanes_log2 = few_lanes_log2(lanes);
+  const int lanes_log2 = exact_log2(lanes);
   int64_t o_row = 0, s_row = 0, out_row = 0, out_stats_row = 0;
   if (lanes_log2 < 0 || lean.stats_in_place || !even_row_stride(lean.o_row, heads, o_row) ||
       !even_row_stride(lean.stats_row, heads, s_row) ||

@@ -69,14 +69,15 @@ def test_the_rules_are_the_written_ones(elem_bytes):
 def test_the_grid_covers_every_row_in_whole_passes(lanes, rows, sm_count):
     """One pass when the call's threads fit 2^30; else passes of whole rows (the grid's
     threads a multiple of the row's) on thread indices below 2^31. Up to 1024 threads an
-    SM, CTAs of whole warps (32..256 threads) whose busiest SM gets the fewest threads, the
-    largest CTA of equals, never more than CTAs of the smallest power of two that holds an
-    SM's share would give it; past that, CTAs of 256."""
+    SM, CTAs of whole warps (128..256 threads) whose busiest SM gets the fewest threads, the
+    largest CTA of equals, never more than CTAs of the smallest power of two from 128 that
+    holds an SM's share would give it; past that, CTAs of 256."""
+    low = 128
     cta, ctas, rows_per_pass = few_launch(lanes, rows, sm_count)
     threads = rows * lanes
     assert ctas * cta < 1 << 31
     if threads <= 1 << 30:
-        assert cta % 32 == 0 and 32 <= cta <= 256
+        assert cta % 32 == 0 and low <= cta <= 256
         assert rows_per_pass == rows and (ctas - 1) * cta < threads <= ctas * cta
         if -(-threads // sm_count) > 1024:
             assert cta == 256
@@ -85,15 +86,15 @@ def test_the_grid_covers_every_row_in_whole_passes(lanes, rows, sm_count):
         def busiest(size):
             return -(-(-(-threads // size)) // sm_count) * size
 
-        loads = {size: busiest(size) for size in range(32, 257, 32)}
+        loads = {size: busiest(size) for size in range(low, 257, 32)}
         assert busiest(cta) == min(loads.values())
         assert cta == max(size for size, load in loads.items() if load == busiest(cta))
-        power = 32
+        power = low
         while power < -(-threads // sm_count) and power < 256:
             power *= 2
         assert busiest(cta) <= busiest(power)
     else:
-        assert cta in (32, 64, 128, 256)
+        assert cta in (128, 256)
         assert ctas * cta == rows_per_pass * lanes and rows_per_pass % cta == 0
 
 

@@ -49,7 +49,7 @@
 // Few family (few_geometry.h, merge_few.cuh): the smallest and largest CTA
 // in threads, and the launch bounds' minimum of CTAs per SM.
 #ifndef KVSPLIT_FEW_MIN_CTA_THREADS
-#define KVSPLIT_FEW_MIN_CTA_THREADS 32
+#define KVSPLIT_FEW_MIN_CTA_THREADS 128
 #endif
 #ifndef KVSPLIT_FEW_MAX_CTA_THREADS
 #define KVSPLIT_FEW_MAX_CTA_THREADS 256

@@ -52,10 +52,11 @@ KVSPLIT_HOST_DEVICE constexpr int few_depth(int64_t num_splits, int vectors) {
   }
   return depth;
 }
-// Threads per CTA: a multiple of 32 from the minimum to the maximum that
-// spreads a call most evenly over the SMs (make_few_launch), so that one
-// token's few rows still reach many SMs; large calls run CTAs of the
-// maximum.
+// Threads per CTA: a multiple of 32 from the minimum (128) to the maximum
+// that spreads a call most evenly over the SMs (make_few_launch), so that no
+// SM runs twice the others' rows; large calls run CTAs of the maximum. At one
+// token fewer, larger CTAs win over more SMs: CTAs of 128 took 0.01-0.09 us
+// less than CTAs of 32 (H100, benchmarks/bench_few.py).
 constexpr int kFewMinCtaThreads = KVSPLIT_FEW_MIN_CTA_THREADS;
 static_assert(KVSPLIT_FEW_MIN_CTA_THREADS % 32 == 0, "Few CTAs are whole warps");
 constexpr int kFewMaxCtaThreads = KVSPLIT_FEW_MAX_CTA_THREADS;

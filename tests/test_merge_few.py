@@ -21,6 +21,7 @@ import torch
 import kvsplit
 from kvsplit import _kernel, _native, merge, reference
 from kvsplit.config import FAMILY_CODES, KernelConfig, few_depth, few_launch, few_threads_per_row
+from cuda_profile import profiled_kernels
 from merge_grid import DTYPES, FORMATS, out_kwargs
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
@@ -443,10 +444,7 @@ def launched_kernel(call):
     """(name, trailing bool template arguments, result) of the one kernel ``call`` launches,
     from the CUDA profiler's name of it, demangled (``few_lean_kernel<(kvsplit::DType)0, ...,
     true, false>(...)``) or not (``_ZN7kvsplit15few_lean_kernelIL...Lb1ELb0EEEv...``)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        result = call()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names, result = profiled_kernels(call)
     assert len(names) == 1, names
     name = names[0]
     if name.startswith("_Z"):

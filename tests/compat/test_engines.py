@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from cuda_profile import profiled_kernels
 from state_reference import merge_reference as reference
 from state_reference import seeded as gen
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -371,11 +372,7 @@ def test_adapters_launch_one_kernel(cuda_device, adapter):
     call, _ = _calls(cuda_device)[adapter]
     call()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]  # indptr's host check
+    kernels, _ = profiled_kernels(call, ignore=("Memcpy", "Memset"))  # indptr's host check
     assert len(kernels) == 1, kernels
 
 

@@ -15,6 +15,7 @@ import zlib
 
 import pytest
 import torch
+from cuda_profile import profiled_kernels
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvsplit.compat import trtllm
@@ -345,10 +346,7 @@ def test_trtllm_is_one_kernel_launch(cuda_device):
     call, _ = _gpu_call(cuda_device)
     call()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels, _ = profiled_kernels(call)
     assert len(kernels) == 1 and "kvsplit" in kernels[0], kernels
 
 

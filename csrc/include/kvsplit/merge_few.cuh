@@ -648,10 +648,11 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
           FewLeanParams f = few_lean_params(lean, heads, geo);
-          // Instances at one vector a thread: the pair (exactly two states) and,
-          // at two and four states, the packed rows'.
+          // Instances at one vector a thread: the pair (exactly two states) and
+          // the packed rows' of a pair or of three or four states. (A depth-2 call
+          // that is not a pair has one state: it takes the general instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
-          const bool packed = (kDepth == 2 || kDepth == 4) && kVectors == 1 &&
+          const bool packed = ((kDepth == 2 && pair) || kDepth == 4) && kVectors == 1 &&
                               few_packed_call(lean, heads, lanes, f);
           const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
             constexpr DType kOut = decltype(out)::value;
@@ -661,8 +662,8 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
                               : few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true>;
               }
             }
-            if constexpr (kVectors == 1 && (kDepth == 2 || kDepth == 4)) {
-              if (packed) return few_lean_kernel<kPartial, kFormat, kDepth, 1, kOut, false, true>;
+            if constexpr (kVectors == 1 && kDepth == 4) {
+              if (packed) return few_lean_kernel<kPartial, kFormat, 4, 1, kOut, false, true>;
             }
             return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, kOut>;
           });

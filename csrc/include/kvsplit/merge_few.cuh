@@ -650,7 +650,8 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           FewLeanParams f = few_lean_params(lean, heads, geo);
           // Instances at one vector a thread: the pair (exactly two states) and
           // the packed rows' of a pair or of three or four states. (A depth-2 call
-          // that is not a pair has one state: it takes the general instance.)
+          // that is not a pair, one state or an in-place export, takes the general
+          // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
           const bool packed = ((kDepth == 2 && pair) || kDepth == 4) && kVectors == 1 &&
                               few_packed_call(lean, heads, lanes, f);

@@ -653,7 +653,7 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           // that is not a pair, one state or an in-place export, takes the general
           // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
-          const bool packed = ((kDepth == 2 && pair) || kDepth == 4) && kVectors == 1 &&
+          const bool packed = (pair || (kDepth == 4 && kVectors == 1)) &&
                               few_packed_call(lean, heads, lanes, f);
           const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
             constexpr DType kOut = decltype(out)::value;

@@ -71,7 +71,15 @@
 //   pkc64 / pkc128 / pkc256 / pk8c128 / pk8c256
 //            the packed pair instance on CTAs of 64, 128 or 256 threads
 //            (16-byte loads) or 128 or 256 (8-byte loads), as few CTAs as
-//            the rows need.
+//            the rows need;
+//   pk1l / pk1l0
+//            the packed pair's body on a 64-byte parameter block that holds
+//            only what it reads: one line of the constant bank (pk1l, behind
+//            48 unread bytes) or across two (pk1l0, at the first parameter);
+//   hspread / hlate
+//            hand16 with its parameters over three constant lines, as the
+//            pair instance reads them (hspread), or with only its output
+//            pointer, read after the loads, in a line of its own (hlate).
 #include <cuda_bf16.h>
 
 #include <type_traits>
@@ -516,6 +524,125 @@ int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cu
   return 0;
 }
 
+// The packed pair's parameters in one 64-byte line of the constant bank
+// (pk1l: placed at 0x240 behind Pad48; pk1l0: at 0x210, across two lines),
+// the fields its code reads (state offsets as 32 bits, the export scale 1:
+// enough for the lab's split-major calls).
+struct PairLine {
+  const __nv_bfloat16* o;
+  const float* s;
+  __nv_bfloat16* out;
+  float* out_stats;
+  int32_t o_split, s_split;
+  int32_t rows, lanes_log2;
+  int32_t s_row, out_stats_row;
+  float log2_scale, empty_stat;
+};
+static_assert(sizeof(PairLine) == 64, "one constant line");
+
+// The packed pair instance's body (bf16, base-2 LSE, bf16 out) on PairLine.
+__device__ __forceinline__ void pair_line_merge(const PairLine& p) {
+  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t row = thread >> p.lanes_log2;
+  const int lane = static_cast<int>(thread - (row << p.lanes_log2));
+  if (row >= static_cast<uint32_t>(p.rows)) return;
+  pdl_wait();
+  const __nv_bfloat16* o = p.o + static_cast<int32_t>(thread) * kVec;
+  const float* s = p.s + static_cast<int32_t>(row) * p.s_row;
+  const auto x = load_packed<kBytesPerThread>(o), y = load_packed<kBytesPerThread>(o + p.o_split);
+  const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
+  pdl_trigger();
+  MergeState<kVec> state;
+  const float m0 = raw0 != p.empty_stat ? raw0 : neg_inf();
+  const float m1 = raw1 != p.empty_stat ? raw1 : neg_inf();
+  state.m = max_keep_nan(m0, m1);
+  const float offset = weight_offset(state.m);
+  const float w0 = MergeState<kVec>::weight(m0, offset, p.log2_scale);
+  const float w1 = MergeState<kVec>::weight(m1, offset, p.log2_scale);
+  state.l = __fmaf_rn(w1, 1.f, __fmaf_rn(w0, 1.f, 0.f));
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) {
+    state.acc[v] = __fmaf_rn(w1, unpack<DType::kBFloat16>(y, v),
+                             __fmaf_rn(w0, unpack<DType::kBFloat16>(x, v), 0.f));
+  }
+  float out[kVec], log2_rel;
+  const float total = state.finalize_lse(out, log2_rel);
+  store_out<kVec, DType::kBFloat16>(p.out, static_cast<int32_t>(thread) * kVec, out);
+  if (lane == 0 && p.out_stats != nullptr) {
+    write_stats<StatsFormat::kLse>(p.out_stats + static_cast<int32_t>(row) * p.out_stats_row,
+                                   state, total, neg_inf(), log2_rel, p.log2_scale, 1.f, nullptr);
+  }
+}
+
+__global__ void __launch_bounds__(256, 1) pair_line_kernel(const Pad48 pad, const PairLine p) {
+  pair_line_merge(p);
+}
+
+__global__ void __launch_bounds__(256, 1) pair_line0_kernel(const PairLine p) {
+  pair_line_merge(p);
+}
+
+// Unread bytes that move hand16's later parameters into further lines.
+struct Pad40 {
+  int64_t unread[5];
+};
+
+// hspread: hand16 with its parameters over three constant lines (o, rows and
+// lanes in the first, s and the state offsets in the second, out in the
+// third), as the pair instance reads three. hlate: only out in a line of its
+// own, read after the loads.
+__global__ void __launch_bounds__(1024) hand_spread_kernel(const __nv_bfloat16* o, int rows,
+                                                           int lanes_log2, const Pad40 pad_a,
+                                                           const float* s, int64_t o_split,
+                                                           int64_t s_split, const Pad40 pad_b,
+                                                           __nv_bfloat16* out) {
+  hand_merge<16>(o, s, out, rows, lanes_log2, o_split, s_split);
+}
+
+__global__ void __launch_bounds__(1024) hand_late_kernel(const __nv_bfloat16* o, const float* s,
+                                                         int rows, int lanes_log2,
+                                                         int64_t o_split, int64_t s_split,
+                                                         const Pad40 pad_a, const Pad40 pad_b,
+                                                         __nv_bfloat16* out) {
+  hand_merge<16>(o, s, out, rows, lanes_log2, o_split, s_split);
+}
+
+// pk1l / pk1l0 / hspread / hlate on make_few_launch's CTAs; -1 where the call
+// is not a packed pair (pk1l*) or its lanes are not a power of two.
+int launch_line(const MergeParams& p, int which, int sm_count, cudaStream_t stream) {
+  FewLeanParams f;
+  FewLaunch shape;
+  uint32_t heads;
+  if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads, true)) return -1;
+  const auto ctas = static_cast<unsigned>(shape.ctas);
+  const unsigned cta = shape.cta_threads;
+  const auto* o = static_cast<const __nv_bfloat16*>(f.partial_o);
+  auto* out = static_cast<__nv_bfloat16*>(f.out);
+  if (which >= 2) {
+    if (which == 2) {
+      hand_spread_kernel<<<ctas, cta, 0, stream>>>(o, f.rows, f.lanes_log2, Pad40{}, f.stats,
+                                                   f.o_split, f.s_split, Pad40{}, out);
+    } else {
+      hand_late_kernel<<<ctas, cta, 0, stream>>>(o, f.stats, f.rows, f.lanes_log2, f.o_split,
+                                                 f.s_split, Pad40{}, Pad40{}, out);
+    }
+    return 0;
+  }
+  if (f.o_split != static_cast<int32_t>(f.o_split) || f.s_split != static_cast<int32_t>(f.s_split)) {
+    return -1;
+  }
+  const PairLine line{o, f.stats, out, f.out_stats,
+                      static_cast<int32_t>(f.o_split), static_cast<int32_t>(f.s_split),
+                      f.rows, f.lanes_log2, f.s_token, f.out_stats_token,
+                      f.log2_scale, f.empty_stat};
+  if (which == 0) {
+    pair_line_kernel<<<ctas, cta, 0, stream>>>(Pad48{}, line);
+  } else {
+    pair_line0_kernel<<<ctas, cta, 0, stream>>>(line);
+  }
+  return 0;
+}
+
 FewGeometry geometry(const MergeParams& p, int sm_count, FewLaunch& shape) {
   const int lanes = few_threads_per_row(p.head_dim, 2, 1);
   shape = make_few_launch(lanes, p.rows, sm_count);
@@ -532,7 +659,8 @@ using namespace kvsplit;
 // 9 hand4, 10 row16, 11 row8, 12 hdiv, 13 h64, 14 hstate, 15 hfirst, 16 lean8, 17 lean6,
 // 18 lean4, 19 lconst, 20 lnoloop, 21 lfin, 22 lnochk, 23 lexit, 24 lbare, 25 l8,
 // 26 l8row, 27 l16row, 28 lean, 29 p8, 30 p8row, 31 p16row, 32 pshift, 33 pflat, 34 pmath,
-// 35 pnoexp, 36 phand, 37 pnopdl, 38 hbigp, 39 htail, 40 hmid. Split-major
+// 35 pnoexp, 36 phand, 37 pnopdl, 38 hbigp, 39 htail, 40 hmid, 41 pair, 42 packed, 43 pkrow,
+// 44 pk8, 45 pk8row, 46-50 pkc64 ... pk8c256, 51 pk1l, 52 pk1l0, 53 hspread, 54 hlate. Split-major
 // (N, rows, D) bf16 partials and (N, rows) base-2 LSE, N = 2.
 extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, void* raw_stream) {
   MergeParams p = *params;
@@ -625,6 +753,9 @@ extern "C" int lab_fixed(const MergeParams* params, int variant, int sm_count, v
       }
       break;
     }
+    case 51: case 52: case 53: case 54:
+      if (launch_line(p, variant - 51, sm_count, stream) != 0) return -1;
+      break;
     default: {
       KernelConfig config;
       config.family = Family::kFew;

@@ -28,7 +28,7 @@ VARIANTS = ["bare", "ex", "pdl", "bigp", "any", "general", "product", "hand16", 
             "lconst", "lnoloop", "lfin", "lnochk", "lexit", "lbare", "l8", "l8row", "l16row", "lean",
             "p8", "p8row", "p16row", "pshift", "pflat", "pmath", "pnoexp", "phand", "pnopdl",
             "hbigp", "htail", "hmid", "pair", "packed", "pkrow", "pk8", "pk8row", "pkc64", "pkc128", "pkc256", "pk8c128",
-            "pk8c256"]
+            "pk8c256", "pk1l", "pk1l0", "hspread", "hlate"]
 SHAPES = [(8, 128), (32, 128), (128, 128), (512, 128), (4096, 128), (32768, 128), (16, 512),
           (1024, 512)]
 

@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const FewLe
 }
 
 template <int kBytes, bool kPair, bool kPacked = false>
-__global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewLeanParams p) {
+__global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewParams<kPacked> p) {
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kPacked,
                  kBytes>(p);
 }
@@ -182,11 +182,12 @@ __global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewLeanParams 
 // log2 of a power of two, or -1 for any other count (the shift-based variants'
 // lanes a row).
 // A two-state call of `p` as the product's lean kernel takes it at `bytes` a
-// thread a state: its parameters `f`, make_few_launch's `shape` and the heads
-// a token; false where the call does not take the pair instance or its row
-// needs more than 256 threads.
+// thread a state: its parameters `f` (and in `packed`, where given, the
+// packed instance's), make_few_launch's `shape` and the heads a token; false
+// where the call does not take the pair instance (or `packed`, the packed
+// one) or its row needs more than 256 threads.
 bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, FewLaunch& shape,
-               uint32_t& heads, bool packed = false) {
+               uint32_t& heads, FewPackedParams* packed = nullptr) {
   const int lanes = few_threads_per_row(static_cast<int>(p.head_dim), 2, 1, bytes);
   if (lanes < 1 || lanes > 256) return false;
   shape = make_few_launch(lanes, p.rows, sm_count);
@@ -196,7 +197,7 @@ bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, 
   heads = 1;
   if (!few_lean_call(p, p.rows * lanes, 2, lean, heads) || !few_pair_call(lean)) return false;
   f = few_lean_params(lean, heads, geo);
-  return !packed || few_packed_call(lean, heads, lanes, f);
+  return packed == nullptr || few_packed_call(lean, heads, lanes, f, *packed);
 }
 
 // The product's lean kernel (`pair`: its pair instance) with kBytes a thread
@@ -205,20 +206,24 @@ bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, 
 int launch_lean_bytes(const MergeParams& p, int bytes, bool row_grid, bool pair, int sm_count,
                       cudaStream_t stream, bool packed = false, int cta_threads = 0) {
   FewLeanParams f;
+  FewPackedParams pk;
   FewLaunch shape;
   uint32_t heads;
-  if (!pair_call(p, bytes, sm_count, f, shape, heads, packed)) return -1;
+  if (!pair_call(p, bytes, sm_count, f, shape, heads, packed ? &pk : nullptr)) return -1;
   unsigned cta = row_grid ? f.lanes.divisor : shape.cta_threads;
   auto ctas = static_cast<unsigned>(row_grid ? p.rows : shape.ctas);
   if (cta_threads > 0) {  // CTAs of this size, as many as the rows' threads need
     cta = static_cast<unsigned>(cta_threads);
     ctas = static_cast<unsigned>((p.rows * f.lanes.divisor + cta - 1) / cta);
   }
-  void (*const kernels[])(FewLeanParams) = {
-      lean_bytes_kernel<8, false>,       lean_bytes_kernel<16, false>,
-      lean_bytes_kernel<8, true>,        lean_bytes_kernel<16, true>,
-      lean_bytes_kernel<8, true, true>,  lean_bytes_kernel<16, true, true>};
-  kernels[(bytes == 16 ? 1 : 0) + (packed ? 4 : pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
+  if (packed) {
+    (bytes == 16 ? lean_bytes_kernel<16, true, true>
+                 : lean_bytes_kernel<8, true, true>)<<<ctas, cta, 0, stream>>>(pk);
+    return 0;
+  }
+  void (*const kernels[])(FewLeanParams) = {lean_bytes_kernel<8, false>, lean_bytes_kernel<16, false>,
+                                            lean_bytes_kernel<8, true>, lean_bytes_kernel<16, true>};
+  kernels[(bytes == 16 ? 1 : 0) + (pair ? 2 : 0)]<<<ctas, cta, 0, stream>>>(f);
   return 0;
 }
 
@@ -611,19 +616,20 @@ __global__ void __launch_bounds__(1024) hand_late_kernel(const __nv_bfloat16* o,
 // is not a packed pair (pk1l*) or its lanes are not a power of two.
 int launch_line(const MergeParams& p, int which, int sm_count, cudaStream_t stream) {
   FewLeanParams f;
+  FewPackedParams pk;
   FewLaunch shape;
   uint32_t heads;
-  if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads, true)) return -1;
+  if (!pair_call(p, kBytesPerThread, sm_count, f, shape, heads, &pk)) return -1;
   const auto ctas = static_cast<unsigned>(shape.ctas);
   const unsigned cta = shape.cta_threads;
   const auto* o = static_cast<const __nv_bfloat16*>(f.partial_o);
   auto* out = static_cast<__nv_bfloat16*>(f.out);
   if (which >= 2) {
     if (which == 2) {
-      hand_spread_kernel<<<ctas, cta, 0, stream>>>(o, f.rows, f.lanes_log2, Pad40{}, f.stats,
+      hand_spread_kernel<<<ctas, cta, 0, stream>>>(o, f.rows, pk.lanes_log2, Pad40{}, f.stats,
                                                    f.o_split, f.s_split, Pad40{}, out);
     } else {
-      hand_late_kernel<<<ctas, cta, 0, stream>>>(o, f.stats, f.rows, f.lanes_log2, f.o_split,
+      hand_late_kernel<<<ctas, cta, 0, stream>>>(o, f.stats, f.rows, pk.lanes_log2, f.o_split,
                                                  f.s_split, Pad40{}, Pad40{}, out);
     }
     return 0;
@@ -633,7 +639,7 @@ int launch_line(const MergeParams& p, int which, int sm_count, cudaStream_t stre
   }
   const PairLine line{o, f.stats, out, f.out_stats,
                       static_cast<int32_t>(f.o_split), static_cast<int32_t>(f.s_split),
-                      f.rows, f.lanes_log2, f.s_token, f.out_stats_token,
+                      f.rows, pk.lanes_log2, pk.s_row, pk.out_stats_row,
                       f.log2_scale, f.empty_stat};
   if (which == 0) {
     pair_line_kernel<<<ctas, cta, 0, stream>>>(Pad48{}, line);

@@ -29,7 +29,9 @@
 // depth-2 pairs also as TensorRT-LLM's instance (few_kernel's kRequests).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "kvsplit/device_common.cuh"
@@ -235,7 +237,7 @@ constexpr int few_lean_vector_bytes(DType partial, DType out, int depth) {
 // The lean kernel's parameters: what it reads of MergeParams and FewGeometry,
 // with 32-bit row strides (few_lean_call checks that every row offset fits),
 // in 144 bytes, the fields its first loads wait for in the first 112 (the
-// packed instances' lanes_log2 at 108). Taking
+// packed instances take FewPackedParams, below). Taking
 // MergeParams itself (920 bytes with the geometry, these fields spread over
 // it) cost a 5-10 MB merge 0.30-0.36 us with identical machine code
 // (benchmarks/lab/lab_split.py, m-base against split1).
@@ -255,7 +257,6 @@ struct FewLeanParams {
   void* out;
   int32_t out_token, out_head;
   int32_t row_vectors;  // vectors of a row (few_lean_vector_bytes each)
-  int32_t lanes_log2;  // log2 of lanes, in packed calls (few_packed_call); else -1
   float* out_stats;
   int32_t out_stats_token, out_stats_head;
   const float* out_scale;
@@ -263,6 +264,42 @@ struct FewLeanParams {
   float export_scale;
 };
 static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay compact");
+
+// The packed instances' parameters (few_packed_call): only the fields they
+// read, in the two 64-byte lines of the constant bank that their prologue
+// reads before its loads (kernel parameters start at offset 0x210: the first
+// line holds 48 bytes of them). A parameter read after the loads from a line
+// that nothing read before them waits for that line: on FewLeanParams, whose
+// stats export and output fields lie past the prologue's lines, the packed
+// pair took 0.04-0.06 us more a one-token launch than on a block of one line
+// (benchmarks/lab/lab_fixed.py: product, pk1l and hlate against hand16).
+// The general instance keeps FewLeanParams: its prologue reads more than two
+// lines hold, and those fields placed by line cost its 3-18 MB merges 3 %.
+struct FewPackedParams {
+  // 0x210
+  const void* partial_o;
+  const float* stats;
+  int64_t o_split;  // elements from one state to the next
+  int64_t s_split;  // floats
+  void* out;
+  float* out_stats;
+  // 0x240
+  int32_t rows;
+  int32_t lanes_log2;  // log2 of the threads a row
+  int32_t s_row;  // floats from one row's stats to the next
+  int32_t out_stats_row;
+  float log2_scale;
+  float empty_stat;
+  float export_scale;
+  int32_t num_splits;
+  const float* out_scale;
+};
+static_assert(sizeof(FewPackedParams) <= 112 && offsetof(FewPackedParams, rows) == 48,
+              "the packed instances' parameters in two lines of the constant bank");
+
+// The parameter block of a lean instance: packed, or any other.
+template <bool kPacked>
+using FewParams = std::conditional_t<kPacked, FewPackedParams, FewLeanParams>;
 
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
@@ -291,13 +328,14 @@ static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay c
 // index and its offset in both tensors the index times the vector, so that
 // its first load waits on 13 instructions instead of 39 (sm_90a; two
 // divisions and the (token, head) offsets: benchmarks/lab/lab_fixed.py's
-// `pair` against `product`). Its threads past the rows leave first too.
+// `pair` against `product`). Its threads past the rows leave first too, and
+// it reads FewPackedParams (`p`; FewLeanParams for the others).
 // kLoadBytes: the bytes of a state's row a thread loads (the kernel lab
 // tries others).
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
           bool kPair = false, bool kPacked = false,
           int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth)>
-__device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
+__device__ __forceinline__ void few_lean_merge(const FewParams<kPacked>& p) {
   static_assert(!kPair || (kDepth == 2 && kVectors == 1), "a pair is two states, one vector");
   static_assert(!kPacked || kVectors == 1, "packed rows are one vector a thread");
   constexpr bool kLeaveFirst = kPair || kPacked;  // no thread past the rows stays
@@ -308,13 +346,11 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t row;
   int lanes, lane;
-  int32_t token, head;
+  int32_t token = 0, head = 0;  // the general rows' (packed rows need only the row)
   if constexpr (kPacked) {
     row = thread >> p.lanes_log2;
     lanes = 1 << p.lanes_log2;
     lane = static_cast<int>(thread - (row << p.lanes_log2));
-    token = static_cast<int32_t>(row);  // few_packed_call: one head a token
-    head = 0;
   } else {
     row = p.lanes.div(thread);
     lanes = static_cast<int>(p.lanes.divisor);
@@ -325,7 +361,13 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   const bool active = row < static_cast<uint32_t>(p.rows);
   bool holds[kVectors];  // one vector of a row of `lanes` (few_threads_per_row)
 #pragma unroll
-  for (int u = 0; u < kVectors; ++u) holds[u] = kLeaveFirst || lane + u * lanes < p.row_vectors;
+  for (int u = 0; u < kVectors; ++u) {
+    if constexpr (kLeaveFirst) {
+      holds[u] = true;
+    } else {
+      holds[u] = lane + u * lanes < p.row_vectors;
+    }
+  }
 
   if (kLeaveFirst && !active) return;
   pdl_wait();
@@ -333,10 +375,16 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
   const float out_scale = is_fp8(kOut) && p.out_scale != nullptr ? __ldg(p.out_scale) : 1.f;
   // Packed: the row's first element is row * lanes * kVec (few_packed_call),
   // below 2^31 (few_lean_call).
-  const Partial* o = static_cast<const Partial*>(p.partial_o) +
-                     (kPacked ? static_cast<int32_t>(thread) * kVec
-                              : token * p.o_token + head * p.o_head + lane * kVec);
-  const float* s = p.stats + (token * p.s_token + head * p.s_head);
+  int32_t o_at, s_at;
+  if constexpr (kPacked) {
+    o_at = static_cast<int32_t>(thread) * kVec;
+    s_at = static_cast<int32_t>(row) * p.s_row;
+  } else {
+    o_at = token * p.o_token + head * p.o_head + lane * kVec;
+    s_at = token * p.s_token + head * p.s_head;
+  }
+  const Partial* o = static_cast<const Partial*>(p.partial_o) + o_at;
+  const float* s = p.stats + s_at;
   MergeState<kElems> state;
   if constexpr (kPair) {
     const auto x = load_packed<kLoadBytes>(o), y = load_packed<kLoadBytes>(o + p.o_split);
@@ -378,16 +426,24 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
                           ? state.finalize_lse(out, log2_rel)
                           : state.finalize(neg_inf(), p.log2_scale, out, log2_rel);
   // As in few_kernel; the pair and packed instances serve no in-place export.
-  if (!kLeaveFirst && p.stats_in_place) __syncwarp();
+  if constexpr (!kLeaveFirst) {
+    if (p.stats_in_place) __syncwarp();
+  }
   // The row's stats, from the thread at column 0.
   const auto export_row = [&] {
-    write_stats<kFormat>(p.out_stats + (token * p.out_stats_token + head * p.out_stats_head),
-                         state, total, neg_inf(), log2_rel, p.log2_scale, p.export_scale,
-                         nullptr);
+    int32_t at;
+    if constexpr (kPacked) {
+      at = static_cast<int32_t>(row) * p.out_stats_row;
+    } else {
+      at = token * p.out_stats_token + head * p.out_stats_head;
+    }
+    write_stats<kFormat>(p.out_stats + at, state, total, neg_inf(), log2_rel, p.log2_scale,
+                         p.export_scale, nullptr);
   };
   const bool exports = active && lane == 0 && p.out_stats != nullptr;
   if (!active) return;
-  const int32_t out_row = token * p.out_token + head * p.out_head;
+  int32_t out_row = 0;  // (packed rows: the thread's index times the vector, below)
+  if constexpr (!kPacked) out_row = token * p.out_token + head * p.out_head;
   // FP8: value / scale, saturated by the conversion (scale_fp8 without groups).
   const float inverse_scale = is_fp8(kOut) ? 1.f / out_scale : 1.f;
 #pragma unroll
@@ -408,10 +464,18 @@ __device__ __forceinline__ void few_lean_merge(const FewLeanParams& p) {
 }
 
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
-          bool kPair = false, bool kPacked = false>
+          bool kPair = false>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_lean_kernel(const FewLeanParams p) {
-  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair, kPacked>(p);
+  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair>(p);
+}
+
+// The lean kernel's packed instances (few_packed_call): the pair (kDepth 2)
+// and three or four states, one vector a thread.
+template <DType kPartial, StatsFormat kFormat, int kDepth, DType kOut>
+__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
+    few_packed_kernel(const FewPackedParams p) {
+  few_lean_merge<kPartial, kFormat, kDepth, 1, kOut, kDepth == 2, true>(p);
 }
 
 // Row strides over (token, head) with token = batch * seqlen + token, or
@@ -497,9 +561,10 @@ inline bool even_row_stride(const RowStrides& s, uint32_t heads, int64_t& row) {
 // (few_lean_merge's kPacked): a power-of-two count of lanes, partials' and
 // output's rows each head_dim elements after the last (any split stride, any
 // row stride of the stats), and no in-place export (its threads past the
-// rows leave first). If so, `f` addresses the rows as one head a token.
+// rows leave first). If so, `packed` holds the call's parameters (those of
+// `f` that the packed instances read, rows as one head a token).
 inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
-                            FewLeanParams& f) {
+                            const FewLeanParams& f, FewPackedParams& packed) {
   const int lanes_log2 = exact_log2(lanes);
   int64_t o_row = 0, s_row = 0, out_row = 0, out_stats_row = 0;
   if (lanes_log2 < 0 || lean.stats_in_place || !even_row_stride(lean.o_row, heads, o_row) ||
@@ -510,13 +575,14 @@ inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
     return false;
   }
   // Within 32 bits, as every row's offsets are (few_lean_call).
-  f.heads = FastDivmod(1);
-  f.lanes_log2 = lanes_log2;
-  f.o_token = static_cast<int32_t>(o_row);
-  f.s_token = static_cast<int32_t>(s_row);
-  f.out_token = static_cast<int32_t>(out_row);
-  f.out_stats_token = static_cast<int32_t>(out_stats_row);
-  f.o_head = f.s_head = f.out_head = f.out_stats_head = 0;
+  packed = FewPackedParams{f.partial_o,     f.stats,
+                           f.o_split,       f.s_split,
+                           f.out,           f.out_stats,
+                           f.rows,          lanes_log2,
+                           static_cast<int32_t>(s_row), static_cast<int32_t>(out_stats_row),
+                           f.log2_scale,    f.empty_stat,
+                           f.export_scale,  f.num_splits,
+                           f.out_scale};
   return true;
 }
 
@@ -583,7 +649,6 @@ inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
   f.out_token = i32(lean.out_row.token);
   f.out_head = i32(lean.out_row.head);
   f.row_vectors = geo.row_vectors;
-  f.lanes_log2 = -1;  // few_packed_call sets it
   f.export_scale = lean.export_scale;
   f.out_stats = lean.out_stats;
   f.out_stats_token = lean.out_stats != nullptr ? i32(lean.out_stats_row.token) : 0;
@@ -647,28 +712,34 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
-          FewLeanParams f = few_lean_params(lean, heads, geo);
+          const FewLeanParams f = few_lean_params(lean, heads, geo);
           // Instances at one vector a thread: the pair (exactly two states) and
           // the packed rows' of a pair or of three or four states. (A depth-2 call
           // that is not a pair, one state or an in-place export, takes the general
           // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
+          FewPackedParams packed_params;
           const bool packed = (pair || (kDepth == 4 && kVectors == 1)) &&
-                              few_packed_call(lean, heads, lanes, f);
-          const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
-            constexpr DType kOut = decltype(out)::value;
-            if constexpr (kVectors == 1 && kDepth == 2) {
-              if (pair) {
-                return packed ? few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true, true>
-                              : few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true>;
+                              few_packed_call(lean, heads, lanes, f, packed_params);
+          if constexpr (kVectors == 1 && (kDepth == 2 || kDepth == 4)) {
+            if (packed) {
+              const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
+                constexpr DType kOut = decltype(out)::value;
+                return few_packed_kernel<kPartial, kFormat, kDepth, kOut>;
+              });
+              error = cudaLaunchKernelEx(&launch.config, kernel, packed_params);
+            }
+          }
+          if (!packed) {
+            const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
+              constexpr DType kOut = decltype(out)::value;
+              if constexpr (kVectors == 1 && kDepth == 2) {
+                if (pair) return few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true>;
               }
-            }
-            if constexpr (kVectors == 1 && kDepth == 4) {
-              if (packed) return few_lean_kernel<kPartial, kFormat, 4, 1, kOut, false, true>;
-            }
-            return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, kOut>;
-          });
-          error = cudaLaunchKernelEx(&launch.config, kernel, f);
+              return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, kOut>;
+            });
+            error = cudaLaunchKernelEx(&launch.config, kernel, f);
+          }
         }
       } else {
         status = fail(Error::kVectors, kVectors);

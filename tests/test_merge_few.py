@@ -443,7 +443,7 @@ def test_two_states_take_the_pair_instance_with_the_general_bits(device, fmt, pa
 def launched_kernel(call):
     """(name, trailing bool template arguments, result) of the one kernel ``call`` launches,
     from the CUDA profiler's name of it, demangled (``few_lean_kernel<(kvsplit::DType)0, ...,
-    true>(...)``) or not (``_ZN7kvsplit15few_lean_kernelIL...Lb1EEEv...``)."""
+    true, false>(...)``) or not (``_ZN7kvsplit15few_lean_kernelIL...Lb1ELb0EEEv...``)."""
     names, result = profiled_kernels(call)
     assert len(names) == 1, names
     name = names[0]
@@ -508,12 +508,12 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
                                                     out_dtype=out_dtype, pass_through_from=p)
                 run(None)  # tuned or not, the next call launches one kernel
                 kernel, flags, (packed, packed_stats) = launched_kernel(lambda: run(None))
-                if name == "split-major":
-                    assert kernel == "few_packed_kernel", (name, kernel)
+                if name == "split-major" and num_splits == 2:
+                    assert kernel == "few_packed_pair_kernel", (name, kernel)
                 else:
                     assert kernel == "few_lean_kernel", (name, kernel)
-                    # few_lean_kernel<..., kPair>
-                    assert flags[-1:] == [num_splits == 2], (name, flags)
+                    # few_lean_kernel<..., kPair, kPacked>
+                    assert flags[-2:] == [num_splits == 2, name == "split-major"], (name, flags)
                 general, general_stats = run(tokens)
                 packed, general = packed.cpu(), general.cpu()
                 assert torch.equal(packed.view(torch.uint8), general.view(torch.uint8)), name

@@ -173,8 +173,13 @@ __global__ void __launch_bounds__(256, kMinCtas) lean_bounded_kernel(const FewLe
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16>(p);
 }
 
+// The packed pair's parameter block (as the product launches it), any other
+// call's FewLeanParams.
+template <bool kPacked>
+using LeanParams = std::conditional_t<kPacked, FewPackedParams, FewLeanParams>;
+
 template <int kBytes, bool kPair, bool kPacked = false>
-__global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const FewParams<kPacked> p) {
+__global__ void __launch_bounds__(256, 1) lean_bytes_kernel(const LeanParams<kPacked> p) {
   few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, kPair, kPacked,
                  kBytes>(p);
 }
@@ -197,7 +202,10 @@ bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, 
   heads = 1;
   if (!few_lean_call(p, p.rows * lanes, 2, lean, heads) || !few_pair_call(lean)) return false;
   f = few_lean_params(lean, heads, geo);
-  return packed == nullptr || few_packed_call(lean, heads, lanes, f, *packed);
+  if (packed == nullptr) return true;
+  if (!few_packed_call(lean, heads, lanes, f)) return false;
+  *packed = few_packed_pair_params(f);
+  return true;
 }
 
 // The product's lean kernel (`pair`: its pair instance) with kBytes a thread
@@ -639,7 +647,7 @@ int launch_line(const MergeParams& p, int which, int sm_count, cudaStream_t stre
   }
   const PairLine line{o, f.stats, out, f.out_stats,
                       static_cast<int32_t>(f.o_split), static_cast<int32_t>(f.s_split),
-                      f.rows, pk.lanes_log2, pk.s_row, pk.out_stats_row,
+                      f.rows, pk.lanes_log2, pk.s_token, pk.out_stats_token,
                       f.log2_scale, f.empty_stat};
   if (which == 0) {
     pair_line_kernel<<<ctas, cta, 0, stream>>>(Pad48{}, line);

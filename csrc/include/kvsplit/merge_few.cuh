@@ -31,7 +31,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 #include <utility>
 
 #include "kvsplit/device_common.cuh"
@@ -237,7 +236,8 @@ constexpr int few_lean_vector_bytes(DType partial, DType out, int depth) {
 // The lean kernel's parameters: what it reads of MergeParams and FewGeometry,
 // with 32-bit row strides (few_lean_call checks that every row offset fits),
 // in 144 bytes, the fields its first loads wait for in the first 112 (the
-// packed instances take FewPackedParams, below). Taking
+// packed depth-4 instance's lanes_log2 at 108; the packed pair takes
+// FewPackedParams, below). Taking
 // MergeParams itself (920 bytes with the geometry, these fields spread over
 // it) cost a 5-10 MB merge 0.30-0.36 us with identical machine code
 // (benchmarks/lab/lab_split.py, m-base against split1).
@@ -257,6 +257,7 @@ struct FewLeanParams {
   void* out;
   int32_t out_token, out_head;
   int32_t row_vectors;  // vectors of a row (few_lean_vector_bytes each)
+  int32_t lanes_log2;  // log2 of lanes, in packed calls (few_packed_call); else -1
   float* out_stats;
   int32_t out_stats_token, out_stats_head;
   const float* out_scale;
@@ -265,16 +266,20 @@ struct FewLeanParams {
 };
 static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay compact");
 
-// The packed instances' parameters (few_packed_call): only the fields they
-// read, in the two 64-byte lines of the constant bank that their prologue
+// The packed pair's parameters (few_packed_pair_kernel): only the fields it
+// reads, in the two 64-byte lines of the constant bank that its prologue
 // reads before its loads (kernel parameters start at offset 0x210: the first
 // line holds 48 bytes of them). A parameter read after the loads from a line
 // that nothing read before them waits for that line: on FewLeanParams, whose
 // stats export and output fields lie past the prologue's lines, the packed
 // pair took 0.04-0.06 us more a one-token launch than on a block of one line
 // (benchmarks/lab/lab_fixed.py: product, pk1l and hlate against hand16).
-// The general instance keeps FewLeanParams: its prologue reads more than two
-// lines hold, and those fields placed by line cost its 3-18 MB merges 3 %.
+// The other lean instances keep FewLeanParams: the general one's prologue
+// reads more than two lines hold (those fields placed by line cost its 3-18
+// MB merges 3 %), and the packed depth-4 instance took 3.2-5.3 MB merges
+// 0.05 us longer on this block (benchmarks.md, what a small launch pays for).
+// Field names are FewLeanParams' (one head a token: the token strides are
+// the row strides).
 struct FewPackedParams {
   // 0x210
   const void* partial_o;
@@ -286,8 +291,8 @@ struct FewPackedParams {
   // 0x240
   int32_t rows;
   int32_t lanes_log2;  // log2 of the threads a row
-  int32_t s_row;  // floats from one row's stats to the next
-  int32_t out_stats_row;
+  int32_t s_token;  // floats from one row's stats to the next
+  int32_t out_stats_token;
   float log2_scale;
   float empty_stat;
   float export_scale;
@@ -295,11 +300,7 @@ struct FewPackedParams {
   const float* out_scale;
 };
 static_assert(sizeof(FewPackedParams) <= 112 && offsetof(FewPackedParams, rows) == 48,
-              "the packed instances' parameters in two lines of the constant bank");
-
-// The parameter block of a lean instance: packed, or any other.
-template <bool kPacked>
-using FewParams = std::conditional_t<kPacked, FewPackedParams, FewLeanParams>;
+              "the packed pair's parameters in two lines of the constant bank");
 
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
@@ -328,14 +329,13 @@ using FewParams = std::conditional_t<kPacked, FewPackedParams, FewLeanParams>;
 // index and its offset in both tensors the index times the vector, so that
 // its first load waits on 13 instructions instead of 39 (sm_90a; two
 // divisions and the (token, head) offsets: benchmarks/lab/lab_fixed.py's
-// `pair` against `product`). Its threads past the rows leave first too, and
-// it reads FewPackedParams (`p`; FewLeanParams for the others).
+// `pair` against `product`). Its threads past the rows leave first too.
 // kLoadBytes: the bytes of a state's row a thread loads (the kernel lab
-// tries others).
+// tries others). Params: FewLeanParams, or the packed pair's FewPackedParams.
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
           bool kPair = false, bool kPacked = false,
-          int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth)>
-__device__ __forceinline__ void few_lean_merge(const FewParams<kPacked>& p) {
+          int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth), class Params>
+__device__ __forceinline__ void few_lean_merge(const Params& p) {
   static_assert(!kPair || (kDepth == 2 && kVectors == 1), "a pair is two states, one vector");
   static_assert(!kPacked || kVectors == 1, "packed rows are one vector a thread");
   constexpr bool kLeaveFirst = kPair || kPacked;  // no thread past the rows stays
@@ -378,7 +378,7 @@ __device__ __forceinline__ void few_lean_merge(const FewParams<kPacked>& p) {
   int32_t o_at, s_at;
   if constexpr (kPacked) {
     o_at = static_cast<int32_t>(thread) * kVec;
-    s_at = static_cast<int32_t>(row) * p.s_row;
+    s_at = static_cast<int32_t>(row) * p.s_token;
   } else {
     o_at = token * p.o_token + head * p.o_head + lane * kVec;
     s_at = token * p.s_token + head * p.s_head;
@@ -433,7 +433,7 @@ __device__ __forceinline__ void few_lean_merge(const FewParams<kPacked>& p) {
   const auto export_row = [&] {
     int32_t at;
     if constexpr (kPacked) {
-      at = static_cast<int32_t>(row) * p.out_stats_row;
+      at = static_cast<int32_t>(row) * p.out_stats_token;
     } else {
       at = token * p.out_stats_token + head * p.out_stats_head;
     }
@@ -464,18 +464,18 @@ __device__ __forceinline__ void few_lean_merge(const FewParams<kPacked>& p) {
 }
 
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
-          bool kPair = false>
+          bool kPair = false, bool kPacked = false>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_lean_kernel(const FewLeanParams p) {
-  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair>(p);
+  few_lean_merge<kPartial, kFormat, kDepth, kVectors, kOut, kPair, kPacked>(p);
 }
 
-// The lean kernel's packed instances (few_packed_call): the pair (kDepth 2)
-// and three or four states, one vector a thread.
-template <DType kPartial, StatsFormat kFormat, int kDepth, DType kOut>
+// The lean kernel's packed pair (few_packed_call of a pair), on its own
+// parameter block.
+template <DType kPartial, StatsFormat kFormat, DType kOut>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
-    few_packed_kernel(const FewPackedParams p) {
-  few_lean_merge<kPartial, kFormat, kDepth, 1, kOut, kDepth == 2, true>(p);
+    few_packed_pair_kernel(const FewPackedParams p) {
+  few_lean_merge<kPartial, kFormat, 2, 1, kOut, true, true>(p);
 }
 
 // Row strides over (token, head) with token = batch * seqlen + token, or
@@ -561,10 +561,9 @@ inline bool even_row_stride(const RowStrides& s, uint32_t heads, int64_t& row) {
 // (few_lean_merge's kPacked): a power-of-two count of lanes, partials' and
 // output's rows each head_dim elements after the last (any split stride, any
 // row stride of the stats), and no in-place export (its threads past the
-// rows leave first). If so, `packed` holds the call's parameters (those of
-// `f` that the packed instances read, rows as one head a token).
+// rows leave first). If so, `f` addresses the rows as one head a token.
 inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
-                            const FewLeanParams& f, FewPackedParams& packed) {
+                            FewLeanParams& f) {
   const int lanes_log2 = exact_log2(lanes);
   int64_t o_row = 0, s_row = 0, out_row = 0, out_stats_row = 0;
   if (lanes_log2 < 0 || lean.stats_in_place || !even_row_stride(lean.o_row, heads, o_row) ||
@@ -575,15 +574,23 @@ inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
     return false;
   }
   // Within 32 bits, as every row's offsets are (few_lean_call).
-  packed = FewPackedParams{f.partial_o,     f.stats,
-                           f.o_split,       f.s_split,
-                           f.out,           f.out_stats,
-                           f.rows,          lanes_log2,
-                           static_cast<int32_t>(s_row), static_cast<int32_t>(out_stats_row),
-                           f.log2_scale,    f.empty_stat,
-                           f.export_scale,  f.num_splits,
-                           f.out_scale};
+  f.heads = FastDivmod(1);
+  f.lanes_log2 = lanes_log2;
+  f.o_token = static_cast<int32_t>(o_row);
+  f.s_token = static_cast<int32_t>(s_row);
+  f.out_token = static_cast<int32_t>(out_row);
+  f.out_stats_token = static_cast<int32_t>(out_stats_row);
+  f.o_head = f.s_head = f.out_head = f.out_stats_head = 0;
   return true;
+}
+
+// The packed pair's parameters: those of `f` (as few_packed_call made it)
+// that it reads.
+inline FewPackedParams few_packed_pair_params(const FewLeanParams& f) {
+  return FewPackedParams{f.partial_o,  f.stats,           f.o_split,    f.s_split,
+                         f.out,        f.out_stats,       f.rows,       f.lanes_log2,
+                         f.s_token,    f.out_stats_token, f.log2_scale, f.empty_stat,
+                         f.export_scale, f.num_splits,    f.out_scale};
 }
 
 // The order in which the lean kernel's threads take a call's rows: (token,
@@ -649,6 +656,7 @@ inline FewLeanParams few_lean_params(const MergeParams& lean, uint32_t heads,
   f.out_token = i32(lean.out_row.token);
   f.out_head = i32(lean.out_row.head);
   f.row_vectors = geo.row_vectors;
+  f.lanes_log2 = -1;  // few_packed_call sets it
   f.export_scale = lean.export_scale;
   f.out_stats = lean.out_stats;
   f.out_stats_token = lean.out_stats != nullptr ? i32(lean.out_stats_row.token) : 0;
@@ -712,29 +720,27 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           error = cudaLaunchKernelEx(&launch.config,
                                      few_kernel<kPartial, kFormat, kDepth, kVectors>, geo, p);
         } else {
-          const FewLeanParams f = few_lean_params(lean, heads, geo);
+          FewLeanParams f = few_lean_params(lean, heads, geo);
           // Instances at one vector a thread: the pair (exactly two states) and
           // the packed rows' of a pair or of three or four states. (A depth-2 call
           // that is not a pair, one state or an in-place export, takes the general
           // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
-          FewPackedParams packed_params;
           const bool packed = (pair || (kDepth == 4 && kVectors == 1)) &&
-                              few_packed_call(lean, heads, lanes, f, packed_params);
-          if constexpr (kVectors == 1 && (kDepth == 2 || kDepth == 4)) {
-            if (packed) {
-              const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
-                constexpr DType kOut = decltype(out)::value;
-                return few_packed_kernel<kPartial, kFormat, kDepth, kOut>;
-              });
-              error = cudaLaunchKernelEx(&launch.config, kernel, packed_params);
-            }
-          }
-          if (!packed) {
+                              few_packed_call(lean, heads, lanes, f);
+          if (pair && packed) {
+            const auto kernel = lean_instance(p.out_dtype, [](auto out) {
+              return few_packed_pair_kernel<kPartial, kFormat, decltype(out)::value>;
+            });
+            error = cudaLaunchKernelEx(&launch.config, kernel, few_packed_pair_params(f));
+          } else {
             const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
               constexpr DType kOut = decltype(out)::value;
               if constexpr (kVectors == 1 && kDepth == 2) {
                 if (pair) return few_lean_kernel<kPartial, kFormat, 2, 1, kOut, true>;
+              }
+              if constexpr (kVectors == 1 && kDepth == 4) {
+                if (packed) return few_lean_kernel<kPartial, kFormat, 4, 1, kOut, false, true>;
               }
               return few_lean_kernel<kPartial, kFormat, kDepth, kVectors, kOut>;
             });

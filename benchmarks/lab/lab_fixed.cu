@@ -539,52 +539,26 @@ int launch_hand(const MergeParams& p, int bytes, bool row_grid, int sm_count, cu
 
 // The packed pair's parameters in one 64-byte line of the constant bank
 // (pk1l: placed at 0x240 behind Pad48; pk1l0: at 0x210, across two lines),
-// the fields its code reads (state offsets as 32 bits, the export scale 1:
-// enough for the lab's split-major calls).
+// the fields its code reads (state offsets as 32 bits, no FP8 scale, the
+// export scale 1: enough for the lab's split-major calls), under
+// FewPackedParams' names.
 struct PairLine {
-  const __nv_bfloat16* o;
-  const float* s;
+  const __nv_bfloat16* partial_o;
+  const float* stats;
   __nv_bfloat16* out;
   float* out_stats;
   int32_t o_split, s_split;
   int32_t rows, lanes_log2;
-  int32_t s_row, out_stats_row;
+  int32_t s_token, out_stats_token;
   float log2_scale, empty_stat;
+  static constexpr float export_scale = 1.f;
+  static constexpr const float* out_scale = nullptr;
 };
 static_assert(sizeof(PairLine) == 64, "one constant line");
 
 // The packed pair instance's body (bf16, base-2 LSE, bf16 out) on PairLine.
 __device__ __forceinline__ void pair_line_merge(const PairLine& p) {
-  const uint32_t thread = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint32_t row = thread >> p.lanes_log2;
-  const int lane = static_cast<int>(thread - (row << p.lanes_log2));
-  if (row >= static_cast<uint32_t>(p.rows)) return;
-  pdl_wait();
-  const __nv_bfloat16* o = p.o + static_cast<int32_t>(thread) * kVec;
-  const float* s = p.s + static_cast<int32_t>(row) * p.s_row;
-  const auto x = load_packed<kBytesPerThread>(o), y = load_packed<kBytesPerThread>(o + p.o_split);
-  const float raw0 = __ldg(s), raw1 = __ldg(s + p.s_split);
-  pdl_trigger();
-  MergeState<kVec> state;
-  const float m0 = raw0 != p.empty_stat ? raw0 : neg_inf();
-  const float m1 = raw1 != p.empty_stat ? raw1 : neg_inf();
-  state.m = max_keep_nan(m0, m1);
-  const float offset = weight_offset(state.m);
-  const float w0 = MergeState<kVec>::weight(m0, offset, p.log2_scale);
-  const float w1 = MergeState<kVec>::weight(m1, offset, p.log2_scale);
-  state.l = __fmaf_rn(w1, 1.f, __fmaf_rn(w0, 1.f, 0.f));
-#pragma unroll
-  for (int v = 0; v < kVec; ++v) {
-    state.acc[v] = __fmaf_rn(w1, unpack<DType::kBFloat16>(y, v),
-                             __fmaf_rn(w0, unpack<DType::kBFloat16>(x, v), 0.f));
-  }
-  float out[kVec], log2_rel;
-  const float total = state.finalize_lse(out, log2_rel);
-  store_out<kVec, DType::kBFloat16>(p.out, static_cast<int32_t>(thread) * kVec, out);
-  if (lane == 0 && p.out_stats != nullptr) {
-    write_stats<StatsFormat::kLse>(p.out_stats + static_cast<int32_t>(row) * p.out_stats_row,
-                                   state, total, neg_inf(), log2_rel, p.log2_scale, 1.f, nullptr);
-  }
+  few_lean_merge<DType::kBFloat16, StatsFormat::kLse, 2, 1, DType::kBFloat16, true, true>(p);
 }
 
 __global__ void __launch_bounds__(256, 1) pair_line_kernel(const Pad48 pad, const PairLine p) {

@@ -75,13 +75,17 @@ def time_cuda_graph(launch: Callable[[int], None], *, batch: int = 32, replays: 
 
 
 def time_cuda_graphs(launches: dict, *, batch: int = 12, replays: int = 11,
-                     warmup: int = 2) -> dict:
+                     warmup: int = 2, prime: bool = False) -> dict:
     """Per-launch times of several ``launch(i)`` functions, compared fairly.
 
     Each is captured ``batch`` times in its own graph; the graphs are then
     replayed in turns, ``replays`` rounds, with no host synchronisation until
     the end, so that clock drift or a busy neighbour touches every candidate
     alike and the host's round trips are not paid per sample.
+    ``prime`` replays each graph once more, untimed, right before each timed
+    replay: a sample then starts from the L2 contents of its own launches,
+    not from what the candidate before it left (whose reads the first
+    launches of the sample would otherwise pay for).
     Returns ``{key: Timing}`` for the keys of ``launches``.
     """
     side = torch.cuda.Stream()
@@ -103,6 +107,8 @@ def time_cuda_graphs(launches: dict, *, batch: int = 12, replays: int = 11,
     for _ in range(replays):
         for key, graph in graphs.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if prime:
+                graph.replay()
             start.record()
             graph.replay()
             end.record()

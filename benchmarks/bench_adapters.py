@@ -10,7 +10,10 @@ the merged LSE returned as the adapter returns it: "NAME plain"), and the
 plain split-major ``kvsplit.merge_lse`` (partials (N, rows, D), LSE (N,
 rows), same dtypes, the dispatcher's config) with and without exporting
 the merged LSE are captured into CUDA graphs and replayed in turns,
-L2-warm; microseconds per launch. One call's time moves by a few per cent
+L2-warm (each graph replayed once, untimed, right before each timed replay:
+adapter and twin share their inputs, so without it the one replayed second
+found them in L2 and the other paid their reads, 3 % at 8 MB states);
+microseconds per launch. One call's time moves by a few per cent
 from one capture to the next (where its buffers land), so every shape is
 captured ``--captures`` times (in alternating order) and each call's time
 is the median over the captures of its median; the largest spread of one
@@ -112,7 +115,7 @@ def main() -> None:
                 captured = []
                 for capture in range(args.captures):
                     order = list(launches.items())[::-1 if capture % 2 else 1]
-                    times = time_cuda_graphs(dict(order), batch=32, replays=31)
+                    times = time_cuda_graphs(dict(order), batch=32, replays=31, prime=True)
                     captured.append({name: t.median_us for name, t in times.items()})
                 us = {name: statistics.median(c[name] for c in captured) for name in launches}
                 spread = {name: max(c[name] for c in captured) / min(c[name] for c in captured)

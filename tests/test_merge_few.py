@@ -467,7 +467,10 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
         cuda_device, fmt, partial_dtype, out_dtype, monkeypatch):
     """Two to four states whose partials and output lie row after row (split-major
     (token, head) rows, any split stride) at a power-of-two count of threads a row take the
-    lean kernel's packed instance (its rows by a shift, its offsets the thread's index); the
+    lean kernel's packed instances (rows by a shift, offsets the thread's index; three or
+    four states at decode sizes on the pair's parameter block, larger calls on the lean
+    one: test_large_packed_calls_of_four_states_keep_the_lean_block), and two such states
+    at any other count (D 80) the packed pair with its rows by a divisor; the
     same call with heads sliced out of more takes the instance for (token, head) strides,
     and with ``pass_through_from`` at the token count the general kernel. The same bits,
     output and exported stats, with empty states, a whole empty row, a NaN stat and 35 rows
@@ -475,7 +478,8 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
     pin(monkeypatch, KernelConfig.few(1))
     tokens, heads = 5, 7
     for num_splits in (2, 3, 4):
-        for head_dim in (64, 512):
+        for head_dim in (64, 80, 512):
+            power_of_two = head_dim != 80  # a row's 16-byte vectors, or 8-byte ones
             gen = torch.Generator().manual_seed(num_splits * head_dim + len(fmt)
                                                 + partial_dtype.itemsize)
             for name, o, lse in layouts(num_splits, tokens, heads, head_dim, gen,
@@ -509,11 +513,16 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
                 run(None)  # tuned or not, the next call launches one kernel
                 kernel, flags, (packed, packed_stats) = launched_kernel(lambda: run(None))
                 if name == "split-major" and num_splits == 2:
-                    assert kernel == "few_packed_pair_kernel", (name, kernel)
+                    instance = ("few_packed_pair_kernel" if power_of_two
+                                else "few_packed_pair_div_kernel")
+                    assert kernel == instance, (name, head_dim, kernel)
+                elif name == "split-major" and power_of_two:  # 35 rows: a decode-sized call
+                    assert kernel == "few_packed_quad_kernel", (name, head_dim, kernel)
                 else:
                     assert kernel == "few_lean_kernel", (name, kernel)
                     # few_lean_kernel<..., kPair, kPacked>
-                    assert flags[-2:] == [num_splits == 2, name == "split-major"], (name, flags)
+                    packed_rows = name == "split-major" and power_of_two
+                    assert flags[-2:] == [num_splits == 2, packed_rows], (name, head_dim, flags)
                 general, general_stats = run(tokens)
                 packed, general = packed.cpu(), general.cpu()
                 assert torch.equal(packed.view(torch.uint8), general.view(torch.uint8)), name
@@ -529,6 +538,42 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
                              else dict(rtol=2 ** -7, atol=1e-5))
                 torch.testing.assert_close(packed.double().reshape(-1, head_dim)[rows],
                                            expected, **tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [3, 4])
+def test_large_packed_calls_of_four_states_keep_the_lean_block(cuda_device, num_splits,
+                                                               monkeypatch):
+    """Three or four split-major states take the packed depth-4 instance on the pair's
+    parameter block up to one smallest CTA (128 threads) an SM, and on the lean block from
+    one row more: the same bits either way as the general kernel, and the float64
+    reference's values, with an empty row among them."""
+    pin(monkeypatch, KernelConfig.few(1))
+    head_dim = 64  # 8 threads a row of bf16
+    sms = torch.cuda.get_device_properties(cuda_device).multi_processor_count
+    limit = sms * 128 // 8
+    gen = torch.Generator().manual_seed(num_splits + sms)
+    for rows, instance, flags in ((limit, "few_packed_quad_kernel", []),
+                                  (limit + 1, "few_lean_kernel", [False, True])):
+        o = torch.randn(num_splits, rows, head_dim, generator=gen).bfloat16()
+        lse = torch.randn(num_splits, rows, generator=gen) * 4
+        lse[:, rows // 2] = -math.inf  # an empty row
+        o_gpu, lse_gpu = o.to(cuda_device), lse.to(cuda_device)
+
+        def run(p):
+            return kvsplit.merge_lse(o_gpu, lse_gpu, base=math.e, return_lse=True,
+                                     pass_through_from=p)
+        run(None)
+        kernel, kernel_flags, (out, out_lse) = launched_kernel(lambda: run(None))
+        assert (kernel, kernel_flags[-2:]) == (instance, flags), (rows, kernel, kernel_flags)
+        general, general_lse = run(rows)
+        assert torch.equal(out.cpu().view(torch.uint8), general.cpu().view(torch.uint8)), rows
+        assert torch.equal(out_lse.cpu().view(torch.int32), general_lse.cpu().view(torch.int32))
+        ref, ref_lse = reference.merge_lse_reference(o, lse, base=math.e)
+        assert torch.equal(out[rows // 2].cpu().float(), torch.zeros(head_dim)), rows
+        torch.testing.assert_close(out.cpu().double(), ref, rtol=2 ** -7, atol=1e-5)
+        torch.testing.assert_close(out_lse.cpu().double(), ref_lse.float().double(),
+                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("vectors", [1, 2, 4])

@@ -204,7 +204,7 @@ bool pair_call(const MergeParams& p, int bytes, int sm_count, FewLeanParams& f, 
   f = few_lean_params(lean, heads, geo);
   if (packed == nullptr) return true;
   if (!few_packed_call(lean, heads, lanes, f)) return false;
-  *packed = few_packed_pair_params(f);
+  *packed = few_packed_params(f);
   return true;
 }
 

@@ -31,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "kvsplit/device_common.cuh"
@@ -266,20 +267,21 @@ struct FewLeanParams {
 };
 static_assert(sizeof(FewLeanParams) <= 144, "the lean kernel's parameters stay compact");
 
-// The packed pair's parameters (few_packed_pair_kernel): only the fields it
-// reads, in the two 64-byte lines of the constant bank that its prologue
-// reads before its loads (kernel parameters start at offset 0x210: the first
-// line holds 48 bytes of them). A parameter read after the loads from a line
-// that nothing read before them waits for that line: on FewLeanParams, whose
-// stats export and output fields lie past the prologue's lines, the packed
-// pair took 0.04-0.06 us more a one-token launch than on a block of one line
-// (benchmarks/lab/lab_fixed.py: product, pk1l and hlate against hand16).
-// The other lean instances keep FewLeanParams: the general one's prologue
-// reads more than two lines hold (those fields placed by line cost its 3-18
-// MB merges 3 %), and the packed depth-4 instance took 3.2-5.3 MB merges
-// 0.05 us longer on this block (benchmarks.md, what a small launch pays for).
-// Field names are FewLeanParams' (one head a token: the token strides are
-// the row strides).
+// The packed pair's parameters (few_packed_pair_kernel; also the packed
+// depth-4 instance's at decode sizes, few_packed_quad_kernel): only the
+// fields they read, in the two 64-byte lines of the constant bank that the
+// prologue reads before its loads (kernel parameters start at offset 0x210:
+// the first line holds 48 bytes of them). A parameter read after the loads
+// from a line that nothing read before them waits for that line: on
+// FewLeanParams, whose stats export and output fields lie past the
+// prologue's lines, the packed pair took 0.04-0.06 us more a one-token
+// launch than on a block of one line (benchmarks/lab/lab_fixed.py: product,
+// pk1l and hlate against hand16). The other lean instances keep
+// FewLeanParams: the general one's prologue reads more than two lines hold
+// (those fields placed by line cost its 3-18 MB merges 3 %), and the packed
+// depth-4 instance took 3.2-5.3 MB merges 0.05 us longer on this block
+// (benchmarks.md, what a small launch pays for). Field names are
+// FewLeanParams' (one head a token: the token strides are the row strides).
 struct FewPackedParams {
   // 0x210
   const void* partial_o;
@@ -301,6 +303,34 @@ struct FewPackedParams {
 };
 static_assert(sizeof(FewPackedParams) <= 112 && offsetof(FewPackedParams, rows) == 48,
               "the packed pair's parameters in two lines of the constant bank");
+
+// The packed pair's block for rows of a count of threads that is not a power
+// of two (head dims 80, 96, 192, 576 ...): FewPackedParams' fields at their
+// offsets, then the divisor that finds a thread's row (one multiply-high and
+// a shift), in the same second line. Such rows took the pair instance on
+// (token, head) strides before: two divisions and four row offsets before
+// the first load.
+struct FewPackedDivParams {
+  const void* partial_o;
+  const float* stats;
+  int64_t o_split;
+  int64_t s_split;
+  void* out;
+  float* out_stats;
+  int32_t rows;
+  int32_t lanes_log2;  // -1: the row is `lanes`' quotient
+  int32_t s_token;
+  int32_t out_stats_token;
+  float log2_scale;
+  float empty_stat;
+  float export_scale;
+  int32_t num_splits;
+  const float* out_scale;
+  FastDivmod lanes;  // threads a row
+};
+static_assert(sizeof(FewPackedDivParams) <= 112 && offsetof(FewPackedDivParams, rows) == 48 &&
+                  offsetof(FewPackedDivParams, out_scale) == offsetof(FewPackedParams, out_scale),
+              "the divided packed pair's parameters in the same two lines");
 
 // The lean kernel: the calls engines make most, with nothing else in the
 // way. Every row merges all num_splits states (no row mask, split counts,
@@ -331,7 +361,9 @@ static_assert(sizeof(FewPackedParams) <= 112 && offsetof(FewPackedParams, rows) 
 // divisions and the (token, head) offsets: benchmarks/lab/lab_fixed.py's
 // `pair` against `product`). Its threads past the rows leave first too.
 // kLoadBytes: the bytes of a state's row a thread loads (the kernel lab
-// tries others). Params: FewLeanParams, or the packed pair's FewPackedParams.
+// tries others). Params: FewLeanParams, or the packed pair's FewPackedParams
+// (FewPackedDivParams where a row's threads are not a power of two: its row
+// a quotient, not a shift).
 template <DType kPartial, StatsFormat kFormat, int kDepth, int kVectors, DType kOut,
           bool kPair = false, bool kPacked = false,
           int kLoadBytes = few_lean_vector_bytes(kPartial, kOut, kDepth), class Params>
@@ -347,7 +379,11 @@ __device__ __forceinline__ void few_lean_merge(const Params& p) {
   uint32_t row;
   int lanes, lane;
   int32_t token = 0, head = 0;  // the general rows' (packed rows need only the row)
-  if constexpr (kPacked) {
+  if constexpr (kPacked && std::is_same_v<Params, FewPackedDivParams>) {
+    row = p.lanes.div(thread);
+    lanes = static_cast<int>(p.lanes.divisor);
+    lane = static_cast<int>(thread - row * p.lanes.divisor);
+  } else if constexpr (kPacked) {
     row = thread >> p.lanes_log2;
     lanes = 1 << p.lanes_log2;
     lane = static_cast<int>(thread - (row << p.lanes_log2));
@@ -478,6 +514,32 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   few_lean_merge<kPartial, kFormat, 2, 1, kOut, true, true>(p);
 }
 
+// The same for rows whose count of threads is not a power of two.
+template <DType kPartial, StatsFormat kFormat, DType kOut>
+__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
+    few_packed_pair_div_kernel(const FewPackedDivParams p) {
+  few_lean_merge<kPartial, kFormat, 2, 1, kOut, true, true>(p);
+}
+
+// The packed depth-4 instance (three or four states) of a call of at most one
+// smallest CTA an SM (few_packed_small_call) on the packed pair's block. A
+// larger call keeps FewLeanParams: on this block it took 0.04-0.06 us longer
+// at 3.2-5.3 MB (H100), though its machine code differed only in constant
+// offsets and instruction order.
+template <DType kPartial, StatsFormat kFormat, DType kOut>
+__global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
+    few_packed_quad_kernel(const FewPackedParams p) {
+  few_lean_merge<kPartial, kFormat, 4, 1, kOut, false, true>(p);
+}
+
+// Whether a packed call of `rows` rows of `lanes` threads runs at most one
+// smallest CTA on each SM (decode sizes): there each thread's read of a
+// constant line that nothing read before its loads is on the path to its
+// store.
+inline bool few_packed_small_call(int64_t rows, int lanes, int sm_count) {
+  return rows * lanes <= int64_t{sm_count} * kFewMinCtaThreads;
+}
+
 // Row strides over (token, head) with token = batch * seqlen + token, or
 // false where the batch stride is not seqlen token strides.
 inline bool fold_batches(const RowStrides& s, int64_t batches, int64_t seqlen, RowStrides& folded) {
@@ -558,15 +620,18 @@ inline bool even_row_stride(const RowStrides& s, uint32_t heads, int64_t& row) {
 
 // Whether a lean call (`lean`, `heads`, as few_lean_params made `f`) of
 // `lanes` threads a row at one vector a thread takes the packed instance
-// (few_lean_merge's kPacked): a power-of-two count of lanes, partials' and
-// output's rows each head_dim elements after the last (any split stride, any
-// row stride of the stats), and no in-place export (its threads past the
-// rows leave first). If so, `f` addresses the rows as one head a token.
+// (few_lean_merge's kPacked): a power-of-two count of lanes (any count where
+// `any_lanes`: the pair's, whose row may be a quotient; f.lanes_log2 is then
+// -1), partials' and output's rows each head_dim elements after the last (any
+// split stride, any row stride of the stats), and no in-place export (its
+// threads past the rows leave first). If so, `f` addresses the rows as one
+// head a token.
 inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
-                            FewLeanParams& f) {
+                            FewLeanParams& f, bool any_lanes = false) {
   const int lanes_log2 = exact_log2(lanes);
   int64_t o_row = 0, s_row = 0, out_row = 0, out_stats_row = 0;
-  if (lanes_log2 < 0 || lean.stats_in_place || !even_row_stride(lean.o_row, heads, o_row) ||
+  if ((lanes_log2 < 0 && !any_lanes) || lean.stats_in_place ||
+      !even_row_stride(lean.o_row, heads, o_row) ||
       !even_row_stride(lean.stats_row, heads, s_row) ||
       !even_row_stride(lean.out_row, heads, out_row) || o_row != lean.head_dim ||
       out_row != lean.head_dim ||
@@ -584,13 +649,21 @@ inline bool few_packed_call(const MergeParams& lean, uint32_t heads, int lanes,
   return true;
 }
 
-// The packed pair's parameters: those of `f` (as few_packed_call made it)
-// that it reads.
-inline FewPackedParams few_packed_pair_params(const FewLeanParams& f) {
+// The packed block: those parameters of `f` (as few_packed_call made it)
+// that the packed pair and the small calls' depth-4 instance read.
+inline FewPackedParams few_packed_params(const FewLeanParams& f) {
   return FewPackedParams{f.partial_o,  f.stats,           f.o_split,    f.s_split,
                          f.out,        f.out_stats,       f.rows,       f.lanes_log2,
                          f.s_token,    f.out_stats_token, f.log2_scale, f.empty_stat,
                          f.export_scale, f.num_splits,    f.out_scale};
+}
+
+// The same, for rows whose count of threads is not a power of two.
+inline FewPackedDivParams few_packed_pair_div_params(const FewLeanParams& f) {
+  return FewPackedDivParams{f.partial_o,  f.stats,           f.o_split,    f.s_split,
+                            f.out,        f.out_stats,       f.rows,       f.lanes_log2,
+                            f.s_token,    f.out_stats_token, f.log2_scale, f.empty_stat,
+                            f.export_scale, f.num_splits,    f.out_scale,  f.lanes};
 }
 
 // The order in which the lean kernel's threads take a call's rows: (token,
@@ -727,12 +800,22 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
           const bool packed = (pair || (kDepth == 4 && kVectors == 1)) &&
-                              few_packed_call(lean, heads, lanes, f);
-          if (pair && packed) {
+                              few_packed_call(lean, heads, lanes, f, pair);
+          if (pair && packed && f.lanes_log2 >= 0) {
             const auto kernel = lean_instance(p.out_dtype, [](auto out) {
               return few_packed_pair_kernel<kPartial, kFormat, decltype(out)::value>;
             });
-            error = cudaLaunchKernelEx(&launch.config, kernel, few_packed_pair_params(f));
+            error = cudaLaunchKernelEx(&launch.config, kernel, few_packed_params(f));
+          } else if (pair && packed) {
+            const auto kernel = lean_instance(p.out_dtype, [](auto out) {
+              return few_packed_pair_div_kernel<kPartial, kFormat, decltype(out)::value>;
+            });
+            error = cudaLaunchKernelEx(&launch.config, kernel, few_packed_pair_div_params(f));
+          } else if (packed && few_packed_small_call(p.rows, lanes, sm_count)) {
+            const auto kernel = lean_instance(p.out_dtype, [](auto out) {
+              return few_packed_quad_kernel<kPartial, kFormat, decltype(out)::value>;
+            });
+            error = cudaLaunchKernelEx(&launch.config, kernel, few_packed_params(f));
           } else {
             const auto kernel = lean_instance(p.out_dtype, [&](auto out) {
               constexpr DType kOut = decltype(out)::value;

@@ -305,11 +305,13 @@ static_assert(sizeof(FewPackedParams) <= 112 && offsetof(FewPackedParams, rows) 
               "the packed pair's parameters in two lines of the constant bank");
 
 // The packed pair's block for rows of a count of threads that is not a power
-// of two (head dims 80, 96, 192, 576 ...): FewPackedParams' fields at their
-// offsets, then the divisor that finds a thread's row (one multiply-high and
-// a shift), in the same second line. Such rows took the pair instance on
-// (token, head) strides before: two divisions and four row offsets before
-// the first load.
+// of two (head dims 80, 96, 192, 576 ...), in calls of decode size
+// (few_packed_small_call): FewPackedParams' fields at their offsets, then the
+// divisor that finds a thread's row (one multiply-high and a shift), in the
+// same second line. Larger such calls take the pair instance on (token, head)
+// strides (two divisions and four row offsets before the first load), which
+// was 1 % faster at 32 MB; at one token the divisor took 0.045 us less
+// (1 x 128 x 576: 1.50 against 1.55 us, H100).
 struct FewPackedDivParams {
   const void* partial_o;
   const float* stats;
@@ -514,7 +516,8 @@ __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
   few_lean_merge<kPartial, kFormat, 2, 1, kOut, true, true>(p);
 }
 
-// The same for rows whose count of threads is not a power of two.
+// The same for rows whose count of threads is not a power of two (calls of
+// decode size).
 template <DType kPartial, StatsFormat kFormat, DType kOut>
 __global__ void __launch_bounds__(kFewMaxCtaThreads, KVSPLIT_FEW_MIN_CTAS)
     few_packed_pair_div_kernel(const FewPackedDivParams p) {
@@ -799,8 +802,11 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           // that is not a pair, one state or an in-place export, takes the general
           // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
+          // The divided packed pair serves decode sizes only: at 32 MB (2048 x 32
+          // x 80) it took 1 % longer than the pair on (token, head) strides (H100).
+          const bool small = few_packed_small_call(p.rows, lanes, sm_count);
           const bool packed = (pair || (kDepth == 4 && kVectors == 1)) &&
-                              few_packed_call(lean, heads, lanes, f, pair);
+                              few_packed_call(lean, heads, lanes, f, pair && small);
           if (pair && packed && f.lanes_log2 >= 0) {
             const auto kernel = lean_instance(p.out_dtype, [](auto out) {
               return few_packed_pair_kernel<kPartial, kFormat, decltype(out)::value>;
@@ -811,7 +817,7 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
               return few_packed_pair_div_kernel<kPartial, kFormat, decltype(out)::value>;
             });
             error = cudaLaunchKernelEx(&launch.config, kernel, few_packed_pair_div_params(f));
-          } else if (packed && few_packed_small_call(p.rows, lanes, sm_count)) {
+          } else if (packed && small) {
             const auto kernel = lean_instance(p.out_dtype, [](auto out) {
               return few_packed_quad_kernel<kPartial, kFormat, decltype(out)::value>;
             });

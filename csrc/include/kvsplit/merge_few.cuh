@@ -306,32 +306,16 @@ static_assert(sizeof(FewPackedParams) <= 112 && offsetof(FewPackedParams, rows) 
 
 // The packed pair's block for rows of a count of threads that is not a power
 // of two (head dims 80, 96, 192, 576 ...), in calls of decode size
-// (few_packed_small_call): FewPackedParams' fields at their offsets, then the
-// divisor that finds a thread's row (one multiply-high and a shift), in the
-// same second line. Larger such calls take the pair instance on (token, head)
-// strides (two divisions and four row offsets before the first load), which
-// was 1 % faster at 32 MB; at one token the divisor took 0.045 us less
+// (few_packed_small_call): FewPackedParams, then the divisor that finds a
+// thread's row (one multiply-high and a shift), in the same second line
+// (lanes_log2 is -1). Larger such calls take the pair instance on (token,
+// head) strides (two divisions and four row offsets before the first load),
+// which was 1 % faster at 32 MB; at one token the divisor took 0.045 us less
 // (1 x 128 x 576: 1.50 against 1.55 us, H100).
-struct FewPackedDivParams {
-  const void* partial_o;
-  const float* stats;
-  int64_t o_split;
-  int64_t s_split;
-  void* out;
-  float* out_stats;
-  int32_t rows;
-  int32_t lanes_log2;  // -1: the row is `lanes`' quotient
-  int32_t s_token;
-  int32_t out_stats_token;
-  float log2_scale;
-  float empty_stat;
-  float export_scale;
-  int32_t num_splits;
-  const float* out_scale;
+struct FewPackedDivParams : FewPackedParams {
   FastDivmod lanes;  // threads a row
 };
-static_assert(sizeof(FewPackedDivParams) <= 112 && offsetof(FewPackedDivParams, rows) == 48 &&
-                  offsetof(FewPackedDivParams, out_scale) == offsetof(FewPackedParams, out_scale),
+static_assert(sizeof(FewPackedDivParams) <= 112,
               "the divided packed pair's parameters in the same two lines");
 
 // The lean kernel: the calls engines make most, with nothing else in the
@@ -663,10 +647,7 @@ inline FewPackedParams few_packed_params(const FewLeanParams& f) {
 
 // The same, for rows whose count of threads is not a power of two.
 inline FewPackedDivParams few_packed_pair_div_params(const FewLeanParams& f) {
-  return FewPackedDivParams{f.partial_o,  f.stats,           f.o_split,    f.s_split,
-                            f.out,        f.out_stats,       f.rows,       f.lanes_log2,
-                            f.s_token,    f.out_stats_token, f.log2_scale, f.empty_stat,
-                            f.export_scale, f.num_splits,    f.out_scale,  f.lanes};
+  return FewPackedDivParams{few_packed_params(f), f.lanes};
 }
 
 // The order in which the lean kernel's threads take a call's rows: (token,

@@ -471,8 +471,8 @@ def test_packed_rows_take_the_packed_instance_with_the_general_bits(
     four states at decode sizes on the pair's parameter block, larger calls on the lean
     one: test_large_packed_calls_of_four_states_keep_the_lean_block), and two such states
     at any other count (D 80) the packed pair with its rows by a divisor (35 rows: a
-    decode-sized call); the
-    same call with heads sliced out of more takes the instance for (token, head) strides,
+    decode-sized call); the same call with heads sliced out of more takes the instance for
+    (token, head) strides,
     and with ``pass_through_from`` at the token count the general kernel. The same bits,
     output and exported stats, with empty states, a whole empty row, a NaN stat and 35 rows
     (the last warp part empty); the float64 reference on the rows without NaN."""

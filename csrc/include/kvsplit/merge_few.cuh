@@ -365,11 +365,9 @@ __device__ __forceinline__ void few_lean_merge(const Params& p) {
   uint32_t row;
   int lanes, lane;
   int32_t token = 0, head = 0;  // the general rows' (packed rows need only the row)
-  if constexpr (kPacked && std::is_same_v<Params, FewPackedDivParams>) {
-    row = p.lanes.div(thread);
-    lanes = static_cast<int>(p.lanes.divisor);
-    lane = static_cast<int>(thread - row * p.lanes.divisor);
-  } else if constexpr (kPacked) {
+  // Packed rows of a power-of-two count of threads: the row by a shift; any
+  // other row (FewPackedDivParams, FewLeanParams) by the lanes' divisor.
+  if constexpr (kPacked && !std::is_same_v<Params, FewPackedDivParams>) {
     row = thread >> p.lanes_log2;
     lanes = 1 << p.lanes_log2;
     lane = static_cast<int>(thread - (row << p.lanes_log2));
@@ -377,8 +375,10 @@ __device__ __forceinline__ void few_lean_merge(const Params& p) {
     row = p.lanes.div(thread);
     lanes = static_cast<int>(p.lanes.divisor);
     lane = static_cast<int>(thread - row * p.lanes.divisor);
-    token = static_cast<int32_t>(p.heads.div(row));
-    head = static_cast<int32_t>(row - token * p.heads.divisor);
+    if constexpr (!kPacked) {
+      token = static_cast<int32_t>(p.heads.div(row));
+      head = static_cast<int32_t>(row - token * p.heads.divisor);
+    }
   }
   const bool active = row < static_cast<uint32_t>(p.rows);
   bool holds[kVectors];  // one vector of a row of `lanes` (few_threads_per_row)
@@ -783,8 +783,10 @@ Status launch_few_typed(const MergeParams& p, const KernelConfig& config, int sm
           // that is not a pair, one state or an in-place export, takes the general
           // instance.)
           const bool pair = kDepth == 2 && kVectors == 1 && few_pair_call(lean);
-          // The divided packed pair serves decode sizes only: at 32 MB (2048 x 32
-          // x 80) it took 1 % longer than the pair on (token, head) strides (H100).
+          // Decode sizes (few_packed_small_call) take the divided packed pair and
+          // the depth-4 instance on the packed block; larger calls the former
+          // instances (at 32 MB the divided pair took 1 % longer than the pair on
+          // (token, head) strides, H100).
           const bool small = few_packed_small_call(p.rows, lanes, sm_count);
           const bool packed = (pair || (kDepth == 4 && kVectors == 1)) &&
                               few_packed_call(lean, heads, lanes, f, pair && small);

@@ -4,8 +4,13 @@
 #   usage: benchmarks/gpu_check.sh [STAGE ...]
 #   stages: build tests all-tests few-tests bench bench_few lab_few tune tune-adapters
 #   tune-coverage against-base demo suites ptx80 wheel-build wheel, or NAME for benchmarks/NAME.py
-#   (or benchmarks/lab/NAME.py)
+#   (or benchmarks/lab/NAME.py), or base:NAME for that benchmark with another commit's build
+#   (.kvbuild/$BASE_DIR, as against-base takes it) and a database of its own, into $OUT/base
 #   (default: build tests bench). Carry .whl (benchmarks/fetch_wheels.sh fills it).
+#   GPU_CHECK_BUDGET_S: the seconds the run may take (a device call's limit less its start and
+#   transfers). A stage starts only with GPU_CHECK_STAGE_MIN_S (default 60) of them left, and
+#   its long commands stop when they run out, so that the logs and the report still come back;
+#   the last line names the stages skipped or stopped.
 #   ptx80: a build whose only CUDA code is PTX for compute_80 (the driver compiles it for
 #   this GPU) runs the GPU tests. wheel-build: packaging/build_wheel.sh for this machine's
 #   Python into /tmp/kvsplit-dist. wheel: installs that wheel (or $KVSPLIT_WHEEL) into a
@@ -39,8 +44,46 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($1 "-" $2)}')
 gpu=${gpu:-unknown-gpu}
 
-status=0
+budget=${GPU_CHECK_BUDGET_S:-0} started=$(date +%s)
+cut_short=$(mktemp)  # the stages whose commands ran out of the budget (bounded runs in pipelines)
+left() { echo $(( budget - ($(date +%s) - started) )); }
+# "$@" within the run's budget, 10 s of it kept for the report.
+bounded() {
+  [ "$budget" -gt 0 ] || { "$@"; return; }
+  local seconds=$(( $(left) - 10 )) rc
+  [ "$seconds" -gt 0 ] || seconds=1
+  timeout --kill-after=5 "$seconds" "$@"; rc=$?
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && { echo "stopped: $1 reached GPU_CHECK_BUDGET_S"; echo "$stage" >> "$cut_short"; }
+  return $rc
+}
+# The tree of another commit's build in /tmp/kv-base: .kvbuild/$BASE_DIR/kv.tar.xz (a whole
+# `pip install --target` tree), or its extension alone (_ext*.so or .so.xz) in this build's tree.
+base_tree() {
+  local base_dir=.kvbuild/${BASE_DIR:-base} base_ext
+  base_ext=$(ls "$base_dir"/_ext*.so "$base_dir"/_ext*.so.xz 2>/dev/null | head -1)
+  rm -rf /tmp/kv-base
+  if [ -f "$base_dir/kv.tar.xz" ]; then
+    mkdir -p /tmp/kv-base && tar xJf "$base_dir/kv.tar.xz" -C /tmp/kv-base
+  elif [ -n "$base_ext" ]; then
+    cp -r /tmp/kv /tmp/kv-base &&
+      python3 -c "import lzma, shutil, sys; src, dst = sys.argv[1:]; \
+shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open(dst, 'wb'))" \
+        "$base_ext" "/tmp/kv-base/kvsplit/$(basename "${base_ext%.xz}")"
+  else
+    echo "no $base_dir/_ext*.so or kv.tar.xz" | tee -a "$LOG"; return 1
+  fi
+}
+# benchmarks/NAME.py (or benchmarks/NAME/NAME.py, benchmarks/lab/NAME.py).
+bench_script() {
+  ls "benchmarks/$1.py" "benchmarks/$1/$1.py" "benchmarks/lab/$1.py" 2>/dev/null | head -1
+}
+
+status=0 skipped=()
 for stage in "${stages[@]}"; do
+  if [ "$budget" -gt 0 ] && [ "$(left)" -lt "${GPU_CHECK_STAGE_MIN_S:-60}" ]; then
+    echo "=== $stage skipped: $(left) s left of GPU_CHECK_BUDGET_S=$budget" | tee -a "$LOG"
+    skipped+=("$stage"); continue
+  fi
   echo "=== $stage ($(date +%T))" | tee -a "$LOG"
   case $stage in
     build)
@@ -59,11 +102,11 @@ for stage in "${stages[@]}"; do
 print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_architectures)" ||
         { echo "build: kvsplit does not import whole from /tmp/kv (carry .kvbuild/kv again)" | tee -a "$LOG"; exit 1; } ;;
     tests)
-      python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
+      bounded python3 -P -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     few-tests)
       # The Few family's GPU tests and the peers it is measured against (a subset of tests).
-      python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_merge_few.py \
+      bounded python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_merge_few.py \
         tests/test_peer_kernels.py tests/test_merge_coverage.py tests/test_merge_extremes.py \
         tests/test_pdl.py tests/test_merge.py::test_cuda_graph_capture_and_replay \
         2>&1 | tee -a "$LOG" | tail -25
@@ -71,20 +114,20 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
     bench_few)
       # Few states: N = 2, 4, 8, 16 next to the engines' designs and the read probe (each key
       # tuned into $KVSPLIT_DB first; its table is also in report.md).
-      python3 -P benchmarks/bench_few.py --out "$OUT" ${BENCH_FEW_ARGS:-} 2>&1 | tee -a "$LOG" | tail -90
+      bounded python3 -P benchmarks/bench_few.py --out "$OUT" ${BENCH_FEW_ARGS:-} 2>&1 | tee -a "$LOG" | tail -90
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     lab_few)
       # The Few kernel's knobs (CTA sizes, registers) side by side (LAB_VARIANTS to pick).
-      python3 -P benchmarks/lab/lab_few.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -20
+      bounded python3 -P benchmarks/lab/lab_few.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -20
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     all-tests)
-      python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee -a "$LOG" | tail -25
+      bounded python3 -P -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     tune)
       # The benchmark grid, both stats formats and 16-bit dtypes, in a database of its own
       # (its export holds the grid's keys alone: kvsplit/tables/$gpu.json).
       export KVSPLIT_DB=sqlite:////tmp/kvsplit-grid.sqlite
-      timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
+      bounded timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune --head-dim 512,128 --dtype bfloat16,float16 --format maxsum,lse \
         --num-splits 16,32,64,132,264 --rows 32,64,128,256,512,2048 2>&1 | tee -a "$LOG" | tail -15
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       python3 -P -m kvsplit db export --out "$OUT/$gpu.json"
@@ -95,7 +138,7 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
     tune-adapters)
       # The engine adapters' shapes (kvsplit.compat), split-major and scattered-stats keys, in
       # a database of their own ($gpu-adapters.json).
-      KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune \
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-adapters.sqlite bounded timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune \
         --head-dim 512,128 --dtype bfloat16,float32 \
         --format lse,lse:scattered --num-splits 2,16,64,264 --rows 16,128,256,1024 \
         2>&1 | tee -a "$LOG" | tail -6
@@ -105,7 +148,7 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
     tune-coverage)
       # Head dims beyond the powers of two, float32 and FP8 outputs at the adapters' shapes, in a
       # database of their own (exported for the package as $gpu-coverage.json).
-      KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune \
+      KVSPLIT_DB=sqlite:////tmp/kvsplit-coverage.sqlite bounded timeout "${TUNE_TIMEOUT_S:-0}" python3 -P -m kvsplit tune \
         --head-dim 80,96,192,576 --dtype bfloat16 --out-dtype same,float32,float8_e4m3fn \
         --format lse,lse:scattered --num-splits 2,16,64 --rows 16,128,1024 \
         2>&1 | tee -a "$LOG" | tail -6
@@ -119,25 +162,14 @@ print('built', kvsplit.__file__, e.cuda_build_hash, e.cpu_build_hash, e.cuda_arc
       # Python and tuner). The same grid is tuned BASE_PASSES times with each, the builds
       # alternating, then every candidate timed by both is compared (compare_records.py).
       # BASE_DIR names another folder of .kvbuild than base (its report: against_BASE_DIR.md).
-      base_dir=.kvbuild/${BASE_DIR:-base}
-      base_ext=$(ls "$base_dir"/_ext*.so "$base_dir"/_ext*.so.xz 2>/dev/null | head -1)
-      rm -rf /tmp/kv-base /tmp/against-*.json
-      if [ -f "$base_dir/kv.tar.xz" ]; then
-        mkdir -p /tmp/kv-base && tar xJf "$base_dir/kv.tar.xz" -C /tmp/kv-base || { status=1; continue; }
-      elif [ -n "$base_ext" ]; then
-        cp -r /tmp/kv /tmp/kv-base
-        python3 -c "import lzma, shutil, sys; src, dst = sys.argv[1:]; \
-shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open(dst, 'wb'))" \
-          "$base_ext" "/tmp/kv-base/kvsplit/$(basename "${base_ext%.xz}")" || { status=1; continue; }
-      else
-        echo "against-base: no $base_dir/_ext*.so or kv.tar.xz" | tee -a "$LOG"; status=1; continue
-      fi
+      rm -f /tmp/against-*.json
+      base_tree || { status=1; continue; }
       for pass in $(seq "${BASE_PASSES:-3}"); do
         for build in base new; do
           tree=/tmp/kv; [ $build = base ] && tree=/tmp/kv-base
           db=sqlite:////tmp/kvsplit-$build-$pass.sqlite
           rm -f "/tmp/kvsplit-$build-$pass.sqlite"
-          PYTHONPATH=$tree:/tmp/site KVSPLIT_DB=$db python3 -P -m kvsplit tune \
+          PYTHONPATH=$tree:/tmp/site KVSPLIT_DB=$db bounded python3 -P -m kvsplit tune \
             ${BASE_GRID:---head-dim 128,512 --dtype bfloat16 --format maxsum,lse --num-splits 16,32,64,132 --rows 32,64,128,256,2048} \
             > /tmp/kvsplit-$build-$pass.log 2>&1 || { tail -5 /tmp/kvsplit-$build-$pass.log | tee -a "$LOG"; status=1; }
           PYTHONPATH=$tree:/tmp/site KVSPLIT_DB=$db python3 -P -m kvsplit db export \
@@ -158,7 +190,7 @@ shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open
     suites)
       # The engines' own merge tests against kvsplit.compat (carry .suites: see
       # ../shared/engine-suites/README.md for how to assemble it).
-      OUT=$OUT bash .suites/run_suites.sh 2>&1 | tee -a "$LOG" ;;
+      OUT=$OUT bounded bash .suites/run_suites.sh 2>&1 | tee -a "$LOG" ;;
     ptx80)
       # The proof without the other GPUs: no machine code at all, so every kernel this GPU
       # runs is the driver's compilation of the compute_80 PTX (no sm_90 instructions).
@@ -173,7 +205,7 @@ shutil.copyfileobj((lzma.open if src.endswith('.xz') else open)(src, 'rb'), open
       PYTHONPATH=/tmp/kv-ptx80:/tmp/site python3 -P -c "import kvsplit._ext as e; \
 assert e.cuda_architectures == '80-virtual', e.cuda_architectures; \
 print('ptx80 build', e.cuda_build_hash, e.cuda_architectures)" 2>&1 | tee -a "$LOG"
-      PYTHONPATH=/tmp/kv-ptx80:/tmp/site python3 -P -m pytest tests -m gpu -q -p no:cacheprovider \
+      PYTHONPATH=/tmp/kv-ptx80:/tmp/site bounded python3 -P -m pytest tests -m gpu -q -p no:cacheprovider \
         2>&1 | tee -a "$LOG" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     wheel-build)
@@ -213,16 +245,27 @@ print('from the wheel:', kvsplit.__file__, e.cuda_architectures)" || exit 1
       ) 2>&1 | tee -a "$LOG"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
-      python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
+      bounded python3 -P benchmarks/bench_merge.py --out "$OUT" 2>&1 | tee -a "$LOG" | tail -45
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    base:*)
+      # The other build's side of a benchmark (this build's: the same stage without base:),
+      # its results and report under $OUT/base.
+      script=$(bench_script "${stage#base:}")
+      [ -n "$script" ] || { echo "unknown stage $stage" | tee -a "$LOG"; status=1; continue; }
+      base_tree || { status=1; continue; }
+      mkdir -p "$OUT/base"
+      PYTHONPATH=/tmp/kv-base:/tmp/site${PYTHONPATH#/tmp/kv:/tmp/site} \
+        KVSPLIT_DB=sqlite:////tmp/kvsplit-base.sqlite bounded python3 -P "$script" --out "$OUT/base" \
+        2>&1 | tee -a "$LOG" | tail -40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      PYTHONPATH=/tmp/kv-base:/tmp/site python3 -P -c "import kvsplit._ext as e; print('base build', e.cuda_build_hash)" | tee -a "$LOG" ;;
     *)
-      script=$(ls "benchmarks/$stage.py" "benchmarks/$stage/$stage.py" "benchmarks/lab/$stage.py" \
-        2>/dev/null | head -1)
+      script=$(bench_script "$stage")
       if [ -n "$script" ]; then
-        python3 -P "$script" --out "$OUT" 2>&1 | tee -a "$LOG" | tail -40
+        bounded python3 -P "$script" --out "$OUT" 2>&1 | tee -a "$LOG" | tail -40
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       else
-        echo "unknown stage $stage"; status=1
+        echo "unknown stage $stage" | tee -a "$LOG"; status=1
       fi ;;
   esac
 done
@@ -231,5 +274,10 @@ if ls "$OUT"/bench_*.json >/dev/null 2>&1; then
   python3 benchmarks/report.py "$OUT" > "$OUT/report.md" || status=1
   cat "$OUT/report.md" >> "$LOG"
 fi
+if ls "$OUT"/base/bench_*.json >/dev/null 2>&1; then
+  python3 benchmarks/report.py "$OUT/base" > "$OUT/report_base.md" || status=1
+fi
+[ ${#skipped[@]} -eq 0 ] || echo "skipped (GPU_CHECK_BUDGET_S): ${skipped[*]}" | tee -a "$LOG"
+[ -s "$cut_short" ] && echo "stopped at GPU_CHECK_BUDGET_S: $(sort -u "$cut_short" | tr '\n' ' ')" | tee -a "$LOG"
 echo "=== end ($(date +%T)), status $status" | tee -a "$LOG"
 exit $status

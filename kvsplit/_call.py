@@ -106,11 +106,12 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
     if general.parts:
         o_addresses = [t.data_ptr() for t in partial_o]
         s_addresses = [t.data_ptr() for t in stats]
-        first = partial_o[0]
+        inputs = (*partial_o, *stats)
     else:
-        o_addresses, s_addresses, first = [partial_o.data_ptr()], [stats.data_ptr()], partial_o
-    if first.requires_grad:
-        _check_grad(first)
+        o_addresses, s_addresses = [partial_o.data_ptr()], [stats.data_ptr()]
+        inputs = (partial_o, stats)
+    if torch.is_grad_enabled():  # every input the binding's path checks (csrc/fast_call.cpp)
+        _check_grad(*inputs, sinks)
     if out is None:
         out = torch.empty(layout.out_shape, dtype=layout.out_dtype, device=layout.device)
     if out_stats is None and return_stats:

@@ -321,6 +321,67 @@ def test_bad_options_are_refused_before_anything_is_written(kwargs, error, words
         assert torch.equal(kwargs[name], value), f"{name} was written"
 
 
+def grad_forms():
+    """Calls of the general path (list parts, options, adapters) as (name, inputs, call,
+    names of the inputs to mark): call(inputs) writes inputs["out"]."""
+    gen = torch.Generator().manual_seed(7)
+    splits, tokens, heads, dim = 3, 6, 2, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def inputs(**more):
+        return dict(o=rand(splits, tokens, heads, dim), lse=rand(splits, tokens, heads),
+                    out=torch.full((tokens, heads, dim), 7.0), **more)
+
+    from kvsplit.compat import vllm, xformers
+    parts = inputs(o1=rand(tokens, heads, dim))
+    return [
+        ("two parts", parts,
+         lambda x: kvsplit.merge_lse([x["o"][0], x["o1"]], [x["lse"][0], x["lse"][1]], out=x["out"]),
+         ["o1", "lse"]),
+        ("pass-through rows", inputs(),
+         lambda x: kvsplit.merge_lse(x["o"], x["lse"], pass_through_from=2, out=x["out"]),
+         ["o", "lse"]),
+        ("sinks and pass-through rows", inputs(sinks=rand(heads)),
+         lambda x: kvsplit.merge_lse(x["o"], x["lse"], sinks=x["sinks"], pass_through_from=2,
+                                     out=x["out"]), ["sinks"]),
+        ("fp8 output", inputs(scale=torch.tensor([0.5])) | dict(
+            out=torch.zeros(tokens, heads, dim, dtype=torch.float8_e4m3fn)),
+         lambda x: kvsplit.merge_lse(x["o"], x["lse"], out_scale=x["scale"], out=x["out"]),
+         ["lse"]),
+        ("indptr", dict(o=rand(5, heads, dim), lse=rand(5, heads),
+                        out=torch.full((3, heads, dim), 7.0)),
+         lambda x: kvsplit.merge_lse(x["o"], x["lse"], indptr=torch.tensor([0, 2, 2, 5]),
+                                     out=x["out"]), ["lse"]),
+        ("vllm", dict(o=rand(2, tokens, heads, dim), lse=rand(2, heads, tokens),
+                      out=torch.full((tokens, heads, dim), 7.0)),
+         lambda x: vllm.merge_attn_states(x["out"], x["o"][0], x["lse"][0], x["o"][1],
+                                          x["lse"][1]), ["lse", "o"]),
+        ("xformers", dict(o=rand(2, 1, tokens, heads, dim), lse=rand(2, 1, heads, tokens),
+                          out=torch.full((1, tokens, heads, dim), 7.0)),
+         lambda x: x["out"].copy_(xformers.merge_attentions(x["o"], x["lse"])[0]), ["lse"]),
+    ]
+
+
+@pytest.mark.parametrize("form", range(len(grad_forms())),
+                         ids=[form[0] for form in grad_forms()])
+def test_an_input_that_requires_grad_is_refused_in_every_call_form(form):
+    name, tensors, call, marked = grad_forms()[form]
+    call(tensors)  # the layout's first call (later ones may take the binding's path)
+    expected = tensors["out"].clone()
+    for mark in marked:
+        wants_grad = dict(tensors, **{mark: tensors[mark].clone().requires_grad_()})
+        wants_grad["out"] = torch.full_like(tensors["out"], 7.0)
+        with pytest.raises(RuntimeError, match="no backward"):
+            call(wants_grad)
+        assert torch.equal(wants_grad["out"].float(), torch.full_like(expected, 7.0).float()), \
+            f"{name}: out written before {mark} was refused"
+        with torch.no_grad():
+            call(wants_grad)
+        assert torch.equal(wants_grad["out"].float(), expected.float()), name
+
+
 @pytest.mark.parametrize("indptr, words", [
     (torch.tensor([0, 2, 1, 3], dtype=torch.int32), "non-decreasing"),
     (torch.tensor([0, 2, 4], dtype=torch.int32), "past the 3 states"),

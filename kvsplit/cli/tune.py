@@ -234,7 +234,8 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
          lease_s, status, as_json) -> None:
     """Profile the candidate kernel configs for a grid of shapes and store the winners.
 
-    Candidates: both kernel families, pruned, on a GPU; every KvSplit K on the CPU.
+    Candidates: both kernel families, pruned, on a GPU; on the CPU every KvSplit K
+    the head dim allows.
 
     Rows and num_splits are bucketed as the dispatcher does, so the grid fills
     exactly the keys that calls will look up; each key is profiled at the

@@ -15,8 +15,8 @@ original returns, except where its module says otherwise:
 - :mod:`kvsplit.compat.flash_attn`: ``flash_attn_combine`` (FlashAttention 3's
   float32 partials);
 - :mod:`kvsplit.compat.trtllm`: ``merge_chunked_attention_for_mla``
-  ((max, sum) stats of normalised partials, per-request skip/merge/copy: two
-  kvsplit launches after a few elementwise ones).
+  ((max, sum) stats of normalised partials, per-request skip/merge/copy in one
+  kvsplit launch).
 
 Where the originals produce NaN (every state of a row empty), these give 0
 and an LSE of -inf, as every kvsplit merge does.

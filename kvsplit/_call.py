@@ -21,7 +21,8 @@ from .dispatch.dispatcher import config_for_layout, read_environment as _read_en
 from .launches import LayoutLaunch
 from .launches import table as _launches
 from .validation import (_PUBLIC_ROW_DIMS, NO_EXTRAS, Extras, _check_grad, _check_in_place,
-                         _check_parts, _check_row_mask, _extent, _meta, varlen_view)
+                         _check_parts, _check_row_mask, _extent, _meta, check_own_memory,
+                         varlen_view)
 
 
 def _metas(value) -> tuple:
@@ -39,6 +40,11 @@ class _GeneralLaunch:
                  row_mask, empty_stat, stats_in_place, kv_split, row_dims,
                  out_dtype=None, extras: Extras = NO_EXTRAS, key_splits=None, names=None):
         self.parts = len(partial_o) if isinstance(partial_o, (list, tuple)) else 0
+        known = dict(names or ())
+        for role, value in (("out", out), ("out_stats", out_stats),
+                            ("group_scales", extras.group_scales)):
+            if isinstance(value, torch.Tensor):
+                check_own_memory(known.get(role, role), value)
         partial_o, stats = _check_parts(fmt, partial_o, stats, self.parts)
         mask_stride = _check_row_mask(row_mask, partial_o)
         self.in_place = stats_in_place

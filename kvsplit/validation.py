@@ -148,6 +148,7 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
     else:
         _check_tensor("out", out, _OUT_DTYPES[dtype], row_shape + (head_dim,), device,
                       len(row_shape))
+        check_own_memory("out", out)
         if out_dtype is not None and out.dtype != out_dtype:
             raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
         out_dtype = out.dtype
@@ -240,6 +241,7 @@ def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: t
             raise ValueError(f"quant_group {group} does not divide head_dim {head_dim}")
         _check_tensor("group_scales", extras.group_scales, _SCALE_DTYPES,
                       row_shape + (head_dim // group,), device, None)
+        check_own_memory("group_scales", extras.group_scales)
     if not isinstance(extras.ue8m0, bool):
         raise TypeError(f"ue8m0 must be a bool, got {type(extras.ue8m0).__name__}")
     if extras.pass_through_from is not None:
@@ -308,6 +310,23 @@ def _meta(tensor) -> tuple:
     return (tensor.dtype, tensor.shape, tensor.stride(), tensor.device)
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` has ``a``'s dtype, shape, device and strides (on the dims of more
+    than one element: a dim of one is read at index 0 whatever its stride)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+            and all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride())))
+
+
+def check_own_memory(name: str, value: Optional[torch.Tensor]) -> None:
+    """Refuses an output whose elements share memory (a dim of more than one element at
+    stride 0: an expanded tensor), which would have its stores race."""
+    if value is not None and any(size > 1 and stride == 0
+                                 for size, stride in zip(value.shape, value.stride())):
+        raise ValueError(f"{name} has stride 0 on a dim of more than one element (strides "
+                         f"{value.stride()}, an expanded tensor): an output needs memory of "
+                         f"its own for each element")
+
+
 def _stack_view(name: str, parts) -> torch.Tensor:
     """A (num_splits, ...) view of part 0 with split stride 0, standing for the parts in
     validation (the real split stride is the parts' distance, known per call)."""
@@ -317,7 +336,7 @@ def _stack_view(name: str, parts) -> torch.Tensor:
     for i, part in enumerate(parts):
         if not isinstance(part, torch.Tensor):
             raise _type_error(f"{name}[{i}]", part)
-        if _meta(part) != _meta(first):
+        if not same_layout(first, part):
             raise ValueError(f"{name}[{i}] must have the dtype, shape, strides and device of "
                              f"{name}[0]")
     return first.as_strided((len(parts),) + tuple(first.shape), (0,) + first.stride())

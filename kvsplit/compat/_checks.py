@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..validation import same_layout
+
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -59,3 +61,21 @@ def optional_int(name: str, value, low: int, high: int) -> None:
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be {low}..{high}, got {value}")
+
+
+def one_layout(first: torch.Tensor, second: torch.Tensor, *,
+               keep_first: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Two states of one shape and dtype in one layout: the kernels read the second at its
+    distance from the first, with the first's strides. Where the strides differ (on a dim
+    of more than one element), both are made contiguous, or with ``keep_first`` (an
+    in-place merge writes the first) the second is copied into the first's strides.
+    Returns the pair and whether it copied; a call that copied registers nothing for the
+    per-call path (its layout is the copy's, not the caller's tensors')."""
+    if same_layout(first, second):
+        return first, second, False
+    if keep_first:
+        copy = torch.empty_strided(first.shape, first.stride(), dtype=second.dtype,
+                                   device=second.device)
+        return first, copy.copy_(second), True
+    return first.contiguous(), second.contiguous(), True
+

@@ -14,7 +14,7 @@ import torch
 
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
-from ..validation import LSE, Extras
+from ..validation import LSE, Extras, check_own_memory
 from . import _checks
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states"]
@@ -69,9 +69,12 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
     s_merged = torch.empty_like(s_a)
     if not call_fast(_MERGE_STATE, v_a, s_a, v_b, s_b, v_merged, s_merged):
         _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
-        merge_call(LSE, (v_a, v_b), (s_a, s_b), 2.0, out=v_merged, out_stats=s_merged,
+        a, b, copied_v = _checks.one_layout(v_a, v_b)  # different strides: one layout
+        sa, sb, copied_s = _checks.one_layout(s_a, s_b)
+        merge_call(LSE, (a, b), (sa, sb), 2.0, out=v_merged, out_stats=s_merged,
                    names=_STATE_NAMES,
-                   register=(_MERGE_STATE, False, v_a, s_a, v_b, s_b, v_merged, s_merged))
+                   register=None if copied_v or copied_s else
+                   (_MERGE_STATE, False, v_a, s_a, v_b, s_b, v_merged, s_merged))
     return v_merged, s_merged
 
 
@@ -91,9 +94,15 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     if mask is not None:
         _checks.tensor("mask", mask, dims="(seq_len,)", shape=(v.shape[0],),
                        dtypes=(torch.bool, torch.uint8), device=v.device)
-    merge_call(LSE, (v, v_other), (s, s_other), 2.0, out=v, out_stats=s, row_mask=mask,
+    check_own_memory("v", v)  # before a copy into its strides
+    check_own_memory("s", s)
+    # The other state in v's and s's strides where its own differ (v and s are written).
+    _, other, copied_v = _checks.one_layout(v, v_other, keep_first=True)
+    _, other_s, copied_s = _checks.one_layout(s, s_other, keep_first=True)
+    merge_call(LSE, (v, other), (s, other_s), 2.0, out=v, out_stats=s, row_mask=mask,
                stats_in_place=True, names=_IN_PLACE_NAMES,
-               register=(_IN_PLACE, False, v, s, v_other, s_other, mask))
+               register=None if copied_v or copied_s else
+               (_IN_PLACE, False, v, s, v_other, s_other, mask))
 
 
 def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,

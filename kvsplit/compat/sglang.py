@@ -19,7 +19,8 @@ import torch
 
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
-from ..validation import LSE
+from ..validation import LSE, check_own_memory
+from . import _checks
 
 __all__ = ["merge_state", "merge_state_v2"]
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -108,6 +109,12 @@ def _merge_pair(form, names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dty
     in_place = on_a or on_b
     if in_place and s_merged.data_ptr() != s_a.data_ptr():
         raise ValueError(f"{nv} may be {na} itself only with {ns} being {sa} (an in-place merge)")
+    # States of different strides: copied into one layout (in place, the written one's).
+    check_own_memory(nv, v_merged)
+    check_own_memory(ns, s_merged)
+    v_a, v_b, copied_v = _checks.one_layout(v_a, v_b, keep_first=in_place)
+    s_a, s_b, copied_s = _checks.one_layout(s_a, s_b, keep_first=in_place)
+    copied = copied or copied_v or copied_s
     merge_call(LSE, (v_a, v_b), (s_a, s_b), math.e, out=v_merged, out_stats=s_merged,
                empty_stat=math.inf, stats_in_place=in_place,
                names=(("o_parts", (na, nb)), ("s_parts", (sa, sb)), ("out", nv),

@@ -3,7 +3,8 @@
 Outputs (num_tokens, num_heads, head_size), LSE (num_heads, num_tokens) in
 base e, head-major; a +inf LSE (FlashAttention 2's value for an empty
 sequence) is read as an empty state, like -inf. The prefix and suffix merge
-where they lie: no stacking. Both states empty: the output is 0 and the LSE
+where they lie: no stacking (where their strides differ, both are copied into
+one layout first). Both states empty: the output is 0 and the LSE
 -inf (vLLM's kernels give NaN there).
 """
 
@@ -56,11 +57,14 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
            prefill_tokens_with_context, output_scale)
     extras = (NO_EXTRAS if prefill_tokens_with_context is None and output_scale is None
               else Extras(out_scale=output_scale, pass_through_from=prefill_tokens_with_context))
-    merge_call(LSE, (prefix_output, suffix_output), (prefix_lse.t(), suffix_lse.t()), math.e,
+    o_a, o_b, copied_o = _checks.one_layout(prefix_output, suffix_output)
+    s_a, s_b, copied_s = _checks.one_layout(prefix_lse, suffix_lse)
+    merge_call(LSE, (o_a, o_b), (s_a.t(), s_b.t()), math.e,
                out=output, out_stats=None if output_lse is None else output_lse.t(),
                empty_stat=math.inf, extras=extras, names=_NAMES,
-               register=(_FORM, False, output, prefix_output, prefix_lse, suffix_output,
-                         suffix_lse, output_lse, prefill_tokens_with_context, output_scale))
+               register=None if copied_o or copied_s else
+               (_FORM, False, output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                output_lse, prefill_tokens_with_context, output_scale))
 
 
 _STATES = "(num_tokens, num_heads, head_size)"

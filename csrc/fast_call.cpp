@@ -347,7 +347,9 @@ bool read_call(const State& s, PyObject* const* args, Py_ssize_t nargs, Call& ca
     } else if (role == kScale) {
       if (!PyFloat_CheckExact(value)) return false;
       const double scale = PyFloat_AS_DOUBLE(value);
-      if (!(scale > 0 && scale <= FLT_MAX)) return false;  // the Python path converts or refuses
+      // A normal float32 (a smaller one flushes to 0 in the kernels): else the Python path
+      // converts or refuses.
+      if (!(scale >= FLT_MIN && scale <= FLT_MAX)) return false;
       call.scale = static_cast<float>(scale);
     } else if (value == Py_None) {
       call.key.words.push_back(-1);

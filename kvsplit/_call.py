@@ -90,6 +90,9 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
     if extras.indptr is not None:
         if isinstance(partial_o, (list, tuple)):
             raise ValueError("indptr addresses the states of one tensor, not a list of parts")
+        if split_counts is not None:
+            raise ValueError("split_counts cannot be combined with indptr (indptr gives each "
+                             "token its states)")
         partial_o, stats, key_splits = varlen_view(fmt, partial_o, stats, extras.indptr)
     try:
         key = ("call", fmt, _metas(partial_o), _metas(stats),

@@ -32,7 +32,7 @@ from ._call import merge_call
 from .dispatch.dispatcher import config_for_layout, read_environment as _read_environment
 from .launches import LayoutLaunch
 from .launches import table as _launches
-from .validation import (_FLOAT32_MAX, _LN2, _OUT_DTYPES, LSE, MAXSUM, NO_EXTRAS, Extras,
+from .validation import (_FLOAT32_MAX, _FLOAT32_TINY, _LN2, _OUT_DTYPES, LSE, MAXSUM, NO_EXTRAS, Extras,
                          _check_grad, _check_scalar, _validate)
 
 _current_stream = _kernel.current_stream
@@ -172,7 +172,9 @@ def _launch(layout: LayoutLaunch, fmt, partial_o, stats, scalar, sinks, split_co
 
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
     if _is_compiling():  # traced: the custom op runs the eager path with real tensors
-        out_dtype = _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split)
+        # A maxsum scale may be a traced value: the op checks it when it runs.
+        checked = 1.0 if fmt == MAXSUM else scalar
+        out_dtype = _validate(fmt, partial_o, stats, checked, sinks, split_counts, out, kv_split)
         row_shape = tuple(partial_o.shape[1:-1])
         if out is None:
             out = partial_o.new_empty(tuple(partial_o.shape[1:]), dtype=out_dtype)
@@ -181,7 +183,7 @@ def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats
         op = merge_maxsum_out if fmt == MAXSUM else merge_lse_out
         op(partial_o, stats, float(scalar), sinks, split_counts, out, out_stats, kv_split or 0)
         return (out, out_stats) if return_stats else out
-    if fmt == MAXSUM and not (type(scalar) is float and 0 < scalar <= _FLOAT32_MAX):
+    if fmt == MAXSUM and not (type(scalar) is float and _FLOAT32_TINY <= scalar <= _FLOAT32_MAX):
         _check_scalar(fmt, scalar)
         scalar = float(scalar)
     generation = _launches.generation
@@ -218,18 +220,25 @@ def _remember(layout: LayoutLaunch, generation: int, fmt, partial_o, stats, scal
 
 def _merge_into(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats,
                 kv_split) -> None:
-    """The custom ops' eager body: ``out`` (and ``out_stats``) given; ``kv_split`` 0 = choose."""
+    """The custom ops' eager body: ``out`` (and ``out_stats``) given; ``kv_split`` 0 = choose.
+    Given exported stats take the general call, which checks them."""
     kv_split = kv_split or None
     if out_stats is None and _call_fast(_FORMS[fmt], partial_o, stats, scalar, sinks, split_counts,
                                         out, None, kv_split):
         return
+    if fmt == MAXSUM and not (type(scalar) is float and _FLOAT32_TINY <= scalar <= _FLOAT32_MAX):
+        _check_scalar(fmt, scalar)  # the layout's key leaves the maxsum scale out
+    if out_stats is not None:
+        merge_call(fmt, partial_o, stats, scalar, sinks=sinks, split_counts=split_counts,
+                   out=out, out_stats=out_stats, kv_split=kv_split,
+                   names=(("out_stats", "out_stats" if fmt == MAXSUM else "out_lse"),))
+        return
     generation = _launches.generation
-    layout = _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                            out_stats is not None, kv_split)
-    _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, out_stats, False)
-    if out_stats is None:
-        _remember(layout, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out,
-                  None, kv_split)
+    layout = _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out, False,
+                            kv_split)
+    _launch(layout, fmt, partial_o, stats, scalar, sinks, split_counts, out, None, False)
+    _remember(layout, generation, fmt, partial_o, stats, scalar, sinks, split_counts, out, None,
+              kv_split)
 
 
 @torch.library.custom_op("kvsplit::merge_maxsum_out", mutates_args=("out", "out_stats"))

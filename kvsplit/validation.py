@@ -24,6 +24,7 @@ MAXSUM, LSE = STATS_FORMAT_CODES[MAXSUM_FORMAT], STATS_FORMAT_CODES[LSE_FORMAT]
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
 _STATS_DTYPES = (torch.float32,)
 _COUNT_DTYPES = (torch.int32,)
 # partial dtype -> the output dtypes it merges into, the default (DEFAULT_OUT_DTYPES) first.
@@ -72,8 +73,9 @@ def _check_scalar(fmt: int, scalar: object) -> None:
     if fmt == MAXSUM:
         if type(scalar) is not float and not _is_real(scalar):
             raise TypeError(f"scale_log2 must be a real number, got {type(scalar).__name__}")
-        if not (math.isfinite(scalar) and 0 < scalar <= _FLOAT32_MAX):
-            raise ValueError(f"scale_log2 must be positive and finite in float32, got {scalar}")
+        if not (math.isfinite(scalar) and _FLOAT32_TINY <= scalar <= _FLOAT32_MAX):
+            raise ValueError(f"scale_log2 must be positive and finite in float32 (a normal "
+                             f"float32, {_FLOAT32_TINY:.3g} to {_FLOAT32_MAX:.3g}), got {scalar}")
     else:
         if type(scalar) is not float and not _is_real(scalar):
             raise TypeError(f"base must be 2.0 or math.e, got {type(scalar).__name__}")
@@ -318,13 +320,22 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_own_memory(name: str, value: Optional[torch.Tensor]) -> None:
-    """Refuses an output whose elements share memory (a dim of more than one element at
-    stride 0: an expanded tensor), which would have its stores race."""
-    if value is not None and any(size > 1 and stride == 0
-                                 for size, stride in zip(value.shape, value.stride())):
-        raise ValueError(f"{name} has stride 0 on a dim of more than one element (strides "
-                         f"{value.stride()}, an expanded tensor): an output needs memory of "
-                         f"its own for each element")
+    """Refuses an output whose elements may share memory, which would have its stores race:
+    a dim of more than one element at stride 0 (an expanded tensor), or strides that do
+    not each step past everything the smaller ones span (rows closer than a row is long)."""
+    if value is None:
+        return
+    span = 0  # how far the dims of smaller stride reach
+    for stride, size in sorted((st, sz) for sz, st in zip(value.shape, value.stride()) if sz > 1):
+        if stride == 0:
+            raise ValueError(f"{name} has stride 0 on a dim of more than one element (strides "
+                             f"{value.stride()}, an expanded tensor): an output needs memory "
+                             f"of its own for each element")
+        if stride <= span:
+            raise ValueError(f"{name} has elements that share memory (shape "
+                             f"{tuple(value.shape)}, strides {value.stride()}): an output "
+                             f"needs memory of its own for each element")
+        span += stride * (size - 1)
 
 
 def _stack_view(name: str, parts) -> torch.Tensor:
@@ -370,6 +381,12 @@ def varlen_view(fmt, partial_o, stats, indptr):
             raise ValueError("indptr must be non-decreasing from 0 or more")
         if offsets[-1] > nnz:
             raise ValueError(f"indptr ends at {offsets[-1]}, past the {nnz} states of partial_o")
+    if nnz == 0:  # no states: every range is empty; one empty state stands in for them
+        partial_o = partial_o.new_zeros((1,) + tuple(partial_o.shape[1:]))
+        empty = stats.new_full((1,) + tuple(stats.shape[1:]), -math.inf)
+        if fmt == MAXSUM and empty.dim() > 1:
+            empty[..., 1] = 0  # (max, sum) = (-inf, 0)
+        stats = empty
 
     def view(t):
         return t.as_strided((t.shape[0], tokens) + tuple(t.shape[1:]),

@@ -467,6 +467,22 @@ def test_more_rows_than_one_grid(device, kv_split, merge_kit):
 # --- torch.compile, CUDA graphs, streams -----------------------------------------------
 
 
+def test_torch_compile_fullgraph_takes_the_scale_as_a_value(merge_kit):
+    """A maxsum scale passed in is traced as a value (a second scale recompiles or not, but
+    never breaks the graph); the op checks it when it runs."""
+    gen = merge_kit.generator("compile-scale")
+    partial_o, stats = merge_kit.partials("maxsum", 4, 8, 64, torch.bfloat16, gen)
+    compiled = torch.compile(
+        lambda o, s, scale: kvsplit.merge_maxsum(o, s, scale, return_stats=True),
+        fullgraph=True, backend="eager")
+    for scale in (0.5, 0.7, 1.3):
+        merge_kit.assert_matches_reference(*compiled(partial_o, stats, scale),
+                                           *merge_kit.reference("maxsum", partial_o, stats,
+                                                                scale=scale))
+    with pytest.raises(ValueError, match="scale_log2"):
+        compiled(partial_o, stats, math.nan)
+
+
 # Raised inside torch's own compile stack, not by kvsplit.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_compile_fullgraph(device, merge_kit):

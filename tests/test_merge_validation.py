@@ -401,6 +401,98 @@ def test_scale_log2_beyond_float32():
     assert_rejected("maxsum", valid_args("maxsum"), ValueError, "scale_log2", scale_log2=1e39)
 
 
+@pytest.mark.parametrize("scale_log2", [1e-39, 1e-45, 1e-46])
+def test_scale_log2_below_normal_float32(scale_log2):
+    """A scale that float32 holds only as a subnormal (or not at all) flushes to 0 in the
+    kernels: every row would be NaN."""
+    assert_rejected("maxsum", valid_args("maxsum"), ValueError, "scale_log2",
+                    scale_log2=scale_log2)
+
+
+@pytest.mark.parametrize("scale_log2", [math.nan, -1.0, 0.0, math.inf, 1e-46, 1e300])
+def test_custom_op_checks_the_scale_of_a_known_layout(scale_log2):
+    """The op's first call makes the layout; a later call of it with a bad scale is refused
+    all the same (the layout's key leaves the maxsum scale out)."""
+    args = valid_args("maxsum")
+    torch.ops.kvsplit.merge_maxsum_out(args["partial_o"], args["stats"], 0.5, None, None,
+                                       args["out"], None, 0)
+    args["out"].fill_(SENTINEL)
+    with pytest.raises(ValueError, match="scale_log2"):
+        torch.ops.kvsplit.merge_maxsum_out(args["partial_o"], args["stats"], scale_log2, None,
+                                           None, args["out"], None, 0)
+    assert (args["out"] == SENTINEL).all()
+
+
+def bad_stats_outputs(fmt):
+    rows = ROWS
+    tail = (2,) if fmt == "maxsum" else ()
+    return [
+        ("expanded", torch.full((1,) + tail, SENTINEL).expand((rows,) + tail), ValueError),
+        ("float16", torch.full((rows,) + tail, SENTINEL, dtype=torch.float16), TypeError),
+        ("short", torch.full((rows // 2,) + tail, SENTINEL), ValueError),
+        ("flat", torch.full((rows * 2,), SENTINEL), ValueError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=["expanded", "float16", "short", "flat"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_custom_op_checks_its_stats_output(fmt, case):
+    """The ops' exported stats output (out_stats, out_lse) has the checks of the public
+    call's: before, a wrong one was written as if it were right (past its end)."""
+    _, target, error = bad_stats_outputs(fmt)[case]
+    if fmt == "maxsum" and case == 3:  # (16,) is maxsum's flat (8, 2): a shape error still
+        target = torch.full((ROWS,), SENTINEL)
+    args = valid_args(fmt)
+    name = "out_stats" if fmt == "maxsum" else "out_lse"
+    op = (torch.ops.kvsplit.merge_maxsum_out if fmt == "maxsum"
+          else torch.ops.kvsplit.merge_lse_out)
+    scalar = 1.0 if fmt == "maxsum" else 2.0
+    with pytest.raises(error, match=name):
+        op(args["partial_o"], args["stats"], scalar, None, None, args["out"], target, 0)
+    assert (args["out"] == SENTINEL).all() and (target == SENTINEL).all()
+    good = torch.empty((ROWS, 2) if fmt == "maxsum" else (ROWS,))
+    op(args["partial_o"], args["stats"], scalar, None, None, args["out"], good, 0)
+    _, expected = call(fmt, args["partial_o"], args["stats"],
+                       **({"return_stats": True} if fmt == "maxsum" else {"return_lse": True}))
+    torch.testing.assert_close(good, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["rows closer than a row", "expanded"])
+def test_out_whose_elements_share_memory(fmt, layout):
+    args = valid_args(fmt)
+    buffer = torch.full((ROWS * HEAD_DIM,), SENTINEL, dtype=torch.bfloat16)
+    args["out"] = (torch.as_strided(buffer, (ROWS, HEAD_DIM), (HEAD_DIM // 2, 1))
+                   if layout != "expanded" else buffer[:HEAD_DIM].expand(ROWS, HEAD_DIM))
+    assert_rejected(fmt, args, ValueError, "out")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_indptr_over_no_states_gives_empty_rows(fmt):
+    """nnz = 0: every token's range is empty, so every row is 0 with empty stats."""
+    tail = (2,) if fmt == "maxsum" else ()
+    partial_o = torch.empty(0, 3, HEAD_DIM, dtype=torch.bfloat16)
+    stats = torch.empty((0, 3) + tail)
+    indptr = torch.zeros(5, dtype=torch.int32)
+    out, out_stats = call(fmt, partial_o, stats, indptr=indptr,
+                          **({"return_stats": True} if fmt == "maxsum" else {"return_lse": True}))
+    assert out.shape == (4, 3, HEAD_DIM) and (out == 0).all()
+    if fmt == "maxsum":
+        assert (out_stats[..., 0] == -math.inf).all() and (out_stats[..., 1] == 0).all()
+    else:
+        assert (out_stats == -math.inf).all()
+    with pytest.raises(ValueError, match="past the 0 states"):
+        call(fmt, partial_o, stats, indptr=torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_split_counts_with_indptr(fmt):
+    args = valid_args(fmt)
+    indptr = torch.tensor([0, 2, 4] + [4] * (ROWS - 2), dtype=torch.int32)
+    assert_rejected(fmt, args, ValueError, "split_counts", indptr=indptr,
+                    split_counts=torch.ones(ROWS, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("base, error", [
     (10.0, ValueError), (1.0, ValueError), (0, ValueError), (-2.0, ValueError),
     (2.718, ValueError), (math.nan, ValueError), (math.inf, ValueError), ("2", TypeError),

@@ -14,6 +14,7 @@ no copy; launches are kept per layout in the same table as the public calls'.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ._kernel import address as _address
 from ._kernel import call_add, current_stream
@@ -85,6 +86,10 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
     (csrc/fast_call.cpp; ``reversed``: its two parts are merged in reverse order).
     Returns ``out``, or ``(out, out_stats)`` when stats are exported.
     """
+    first = partial_o[0] if isinstance(partial_o, (list, tuple)) and partial_o else partial_o
+    if type(first) is not torch.Tensor and isinstance(first, FakeTensor):
+        raise TypeError("the options and adapters launch on real memory, not FakeTensors "
+                        "(torch.compile traces the plain merge_lse / merge_maxsum calls)")
     key_splits = None
     generation = _launches.generation
     if extras.indptr is not None:

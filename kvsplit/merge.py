@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _kernel
 from ._call import merge_call
@@ -170,8 +171,15 @@ def _launch(layout: LayoutLaunch, fmt, partial_o, stats, scalar, sinks, split_co
          layout.log2_scale or scalar, stream)
 
 
+def _fake(tensor) -> bool:
+    """A FakeTensor (torch.compile's tracing, FakeTensorMode): no memory to launch on."""
+    return type(tensor) is not torch.Tensor and isinstance(tensor, FakeTensor)
+
+
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
-    if _is_compiling():  # traced: the custom op runs the eager path with real tensors
+    # Traced, or fake tensors: the custom op (its fake implementation, or the eager path
+    # with real tensors when the graph runs).
+    if _is_compiling() or _fake(partial_o):
         # A maxsum scale may be a traced value: the op checks it when it runs.
         checked = 1.0 if fmt == MAXSUM else scalar
         out_dtype = _validate(fmt, partial_o, stats, checked, sinks, split_counts, out, kv_split)

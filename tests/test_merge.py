@@ -467,6 +467,23 @@ def test_more_rows_than_one_grid(device, kv_split, merge_kit):
 # --- torch.compile, CUDA graphs, streams -----------------------------------------------
 
 
+def test_fake_tensors_take_the_ops_fake_path():
+    """Under FakeTensorMode (as torch.compile's tracing and shape propagation run) the plain
+    calls return fake outputs of the right shapes and launch nothing (there is no memory
+    behind a fake tensor: a launch on it crashed the process); the general call refuses."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    with FakeTensorMode():
+        partial_o, lse = torch.randn(3, 4, 2, 64), torch.randn(3, 4, 2)
+        out, out_lse = kvsplit.merge_lse(partial_o, lse, return_lse=True)
+        stats = torch.randn(3, 4, 2, 2)
+        m_out, m_stats = kvsplit.merge_maxsum(partial_o, stats, 0.5, return_stats=True)
+        with pytest.raises(TypeError, match="FakeTensor"):
+            kvsplit.merge_lse(partial_o, lse, pass_through_from=1)
+    assert all(isinstance(t, FakeTensor) for t in (out, out_lse, m_out, m_stats))
+    assert out.shape == (4, 2, 64) and out_lse.shape == (4, 2)
+    assert m_out.shape == (4, 2, 64) and m_stats.shape == (4, 2, 2)
+
+
 def test_torch_compile_fullgraph_takes_the_scale_as_a_value(merge_kit):
     """A maxsum scale passed in is traced as a value (a second scale recompiles or not, but
     never breaks the graph); the op checks it when it runs."""

@@ -62,6 +62,7 @@ def _check(out_partial, lse_partial, out) -> None:
     _checks.tensor("out_partial", out_partial,
                    dims="(num_splits, batch, seqlen, num_heads, head_dim)",
                    dtypes=_checks.STATE_DTYPES)
+    _checks.head_dim("out_partial", out_partial, "head_dim")
     _checks.tensor("lse_partial", lse_partial, dims="(num_splits, batch, seqlen, num_heads)",
                    shape=tuple(out_partial.shape[:4]), dtypes=(torch.float32,),
                    device=out_partial.device)

@@ -132,6 +132,8 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
                          f"{tuple(v.shape)} and {tuple(s.shape)}")
     if s.dtype != torch.float32:
         raise TypeError(f"s must be float32 (FlashInfer would convert a copy), got {s.dtype}")
+    _checks.tensor("v", v, dtypes=_checks.STATE_DTYPES)
+    _checks.head_dim("v", v, "head_dim")
     if indptr.dim() != 1 or indptr.shape[0] < 1:
         raise ValueError(f"indptr must be 1-D (seq_len + 1,), got shape {tuple(indptr.shape)}")
     seq_len, num_heads, head_dim = indptr.shape[0] - 1, v.shape[1], v.shape[2]
@@ -145,6 +147,7 @@ def _check_pair(names, v_a, s_a, v_b, s_b) -> None:
     """Two states (seq_len, num_heads, head_dim) with float32 LSEs (seq_len, num_heads)."""
     na, sa, nb, sb = names
     _checks.tensor(na, v_a, dims="(seq_len, num_heads, head_dim)", dtypes=_checks.STATE_DTYPES)
+    _checks.head_dim(na, v_a, "head_dim")
     _checks.tensor(sa, s_a, dims="(seq_len, num_heads)", shape=tuple(v_a.shape[:2]),
                    dtypes=(torch.float32,), device=v_a.device)
     _checks.same(nb, v_b, na, v_a)
@@ -154,5 +157,6 @@ def _check_pair(names, v_a, s_a, v_b, s_b) -> None:
 def _check_states(v, s) -> None:
     _checks.tensor("v", v, dims="(seq_len, num_states, num_heads, head_dim)",
                    dtypes=_checks.STATE_DTYPES)
+    _checks.head_dim("v", v, "head_dim")
     _checks.tensor("s", s, dims="(seq_len, num_states, num_heads)", shape=tuple(v.shape[:3]),
                    dtypes=(torch.float32,), device=v.device)

@@ -52,6 +52,7 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
     if v_a.dtype not in _STATE_DTYPES or v_b.dtype != v_a.dtype:
         raise TypeError(f"{na} and {nb} must share one dtype of float32, float16 or bfloat16, "
                         f"got {v_a.dtype} and {v_b.dtype}")
+    _checks.head_dim(na, v_a, "head_size")
     if not s_a.is_floating_point() or not s_b.is_floating_point():
         raise TypeError(f"{sa} and {sb} must be floating point, got {s_a.dtype} and {s_b.dtype}")
     devices = {t.device for t in (v_a, s_a, v_b, s_b, v_merged, s_merged) if t is not None}
@@ -100,8 +101,9 @@ def _merge_pair(form, names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dty
     # An output over an input is an elementwise in-place merge in SGLang. kvsplit writes in
     # place over the first state only, and over its output and LSE together: put that state
     # first (the merge is symmetric).
-    on_a = v_merged.data_ptr() == v_a.data_ptr()
-    on_b = v_merged.data_ptr() == v_b.data_ptr()
+    # (Empty tensors share address 0: they are not each other.)
+    on_a = v_merged.numel() > 0 and v_merged.data_ptr() == v_a.data_ptr()
+    on_b = v_merged.numel() > 0 and v_merged.data_ptr() == v_b.data_ptr()
     na, sa, nb, sb, nv, ns = names
     if on_b:
         v_a, s_a, v_b, s_b = v_b, s_b, v_a, s_a

@@ -75,6 +75,7 @@ def _check(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_
            prefill_tokens_with_context, output_scale) -> None:
     """vLLM's rules in vLLM's names and shapes."""
     _checks.tensor("prefix_output", prefix_output, dims=_STATES, dtypes=_checks.STATE_DTYPES)
+    _checks.head_dim("prefix_output", prefix_output, "head_size")
     tokens, heads, _ = prefix_output.shape
     device = prefix_output.device
     _checks.same("suffix_output", suffix_output, "prefix_output", prefix_output)

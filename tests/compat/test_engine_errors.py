@@ -78,6 +78,24 @@ def cases(device):
                                                                device=device)),
             ValueError, r"out must have shape \(batch, seqlen, num_heads, head_dim\) "
                         r"\(1, 3, 8, 64\), got \(1, 3, 8, 32\)"),
+        "vllm head_size 12": (
+            lambda: vllm.merge_attn_states(out, o[..., :12], lse, o2[..., :12], lse2, out_lse),
+            ValueError, r"prefix_output: head_size 12 is not supported with bfloat16 states"),
+        "sglang head_size 0": (
+            lambda: sglang.merge_state_v2(o[..., :0], lse.t(), o2[..., :0], lse2.t(),
+                                          out[..., :0]),
+            ValueError, r"v_a: head_size 0 is not supported"),
+        "flashinfer merge_states head_dim 12": (
+            lambda: flashinfer.merge_states(v[..., :12], s),
+            ValueError, r"v: head_dim 12 is not supported"),
+        "flashinfer variable_length head_dim 4": (
+            lambda: flashinfer.variable_length_merge_states(
+                o[..., :4], lse.t(), torch.tensor([0, 1, 4], device=device)),
+            ValueError, r"v: head_dim 4 is not supported"),
+        "fa3 head_dim 12": (
+            lambda: flash_attn.flash_attn_combine(torch.randn(2, 1, 3, 8, 12, device=device).half(),
+                                                  torch.randn(2, 1, 3, 8, device=device)),
+            ValueError, r"out_partial: head_dim 12 is not supported with float16 states"),
         "sglang 2-D states": (
             lambda: sglang.merge_state_v2(o[0], lse, o2[0], lse2, out[0]),
             ValueError, r"v_a and v_b must be 3-D \(num_tokens, num_heads, head_size\)"),

@@ -61,24 +61,20 @@ def vllm_call(v, s, device, layout):
     return call, (prefix_output, suffix_output), (prefix_lse.t(), suffix_lse.t()), math.e
 
 
-def sglang_call(v, s, device, layout):
-    v_a, v_b = v[0].to(device), v[1].to(device)
-    s_a, s_b = s[0].to(device), s[1].to(device)
-    if layout == "sliced":
-        v_a, s_b = wide(v_a, 2), wide(s_b, 1)
-    else:
-        s_b = s[1].t().contiguous().to(device).t()
-    return (lambda: sglang.merge_state_v2(v_a, s_a, v_b, s_b)), (v_a, v_b), (s_a, s_b), math.e
-
-
-def flashinfer_call(v, s, device, layout):
-    v_a, v_b = v[0].to(device), v[1].to(device)
-    s_a, s_b = s[0].to(device), s[1].to(device)
-    if layout == "sliced":
-        v_b, s_a = wide(v_b, 1), wide(s_a, 0)
-    else:
-        s_a = s[0].t().contiguous().to(device).t()
-    return (lambda: flashinfer.merge_state(v_a, s_a, v_b, s_b)), (v_a, v_b), (s_a, s_b), 2.0
+def pair_call(merge, base, sliced, transposed):
+    """An adapter of two states (v_a, s_a, v_b, s_b): ``sliced`` the (name, dim) pairs
+    taken from wider buffers, ``transposed`` the LSE made a transposed view."""
+    def make(v, s, device, layout):
+        held = dict(v_a=v[0].to(device), v_b=v[1].to(device), s_a=s[0].to(device),
+                    s_b=s[1].to(device))
+        if layout == "sliced":
+            for name, dim in sliced:
+                held[name] = wide(held[name], dim)
+        else:
+            held[transposed] = held[transposed].t().contiguous().t()
+        return ((lambda: merge(held["v_a"], held["s_a"], held["v_b"], held["s_b"])),
+                (held["v_a"], held["v_b"]), (held["s_a"], held["s_b"]), base)
+    return make
 
 
 def flashinfer_in_place_call(v, s, device, layout):
@@ -98,7 +94,9 @@ def flashinfer_in_place_call(v, s, device, layout):
     return call, (first[0], v_other), (first[1], s_other), 2.0
 
 
-ADAPTERS = {"vllm": vllm_call, "sglang": sglang_call, "flashinfer": flashinfer_call,
+ADAPTERS = {"vllm": vllm_call,
+            "sglang": pair_call(sglang.merge_state_v2, math.e, [("v_a", 2), ("s_b", 1)], "s_b"),
+            "flashinfer": pair_call(flashinfer.merge_state, 2.0, [("v_b", 1), ("s_a", 0)], "s_a"),
             "flashinfer_in_place": flashinfer_in_place_call}
 
 

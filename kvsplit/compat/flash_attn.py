@@ -34,10 +34,12 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
     (batch, seqlen, num_heads) laid out (batch, num_heads, seqlen) in memory,
     as FlashAttention returns it, base e.
     """
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     dtype = out.dtype if out is not None else out_dtype or torch.float32
     if dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got "
-                        f"{dtype}")
+        raise TypeError(f"{'out' if out is not None else 'out_dtype'} must be torch.float32, "
+                        f"torch.bfloat16 or torch.float16, got {dtype}")
     if out is not None and out_dtype is not None and out_dtype != out.dtype:
         raise TypeError(f"out_dtype {out_dtype} does not match out ({out.dtype})")
     if not (isinstance(out_partial, torch.Tensor) and out_partial.dim() == 5):

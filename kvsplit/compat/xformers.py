@@ -47,6 +47,10 @@ def _fold(t: torch.Tensor, g: int, name: str) -> torch.Tensor:
 
 def _chunk_lists(attn_split: Chunks, lse_split: Chunks):
     """The chunks as two lists, checked against chunk 0 in xFormers' terms."""
+    for name, value in (("attn_split", attn_split), ("lse_split", lse_split)):
+        if not isinstance(value, (torch.Tensor, list, tuple)):
+            raise TypeError(f"{name} must be a tensor or a list of tensors, got "
+                            f"{type(value).__name__}")
     attn = list(attn_split.unbind(0)) if isinstance(attn_split, torch.Tensor) else list(attn_split)
     lse = list(lse_split.unbind(0)) if isinstance(lse_split, torch.Tensor) else list(lse_split)
     if len(attn) != len(lse):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsplit.compat import flash_attn, flashinfer, sglang, vllm
+from kvsplit.compat import flash_attn, flashinfer, sglang, vllm, xformers
 
 SENTINEL = 7.0
 T, H, D = 4, 8, 64
@@ -96,6 +96,15 @@ def cases(device):
             lambda: flash_attn.flash_attn_combine(torch.randn(2, 1, 3, 8, 12, device=device).half(),
                                                   torch.randn(2, 1, 3, 8, device=device)),
             ValueError, r"out_partial: head_dim 12 is not supported with float16 states"),
+        "fa3 float64 out": (
+            lambda: flash_attn.flash_attn_combine(torch.randn(2, 1, 3, 8, 64, device=device),
+                                                  torch.randn(2, 1, 3, 8, device=device),
+                                                  out=torch.zeros(1, 3, 8, 64, dtype=torch.float64,
+                                                                  device=device)),
+            TypeError, r"^out must be torch\.float32"),
+        "xformers attn_split None": (
+            lambda: xformers.merge_attentions(None, torch.randn(2, 1, 8, 4, device=device)),
+            TypeError, r"attn_split must be a tensor or a list of tensors, got NoneType"),
         "sglang 2-D states": (
             lambda: sglang.merge_state_v2(o[0], lse, o2[0], lse2, out[0]),
             ValueError, r"v_a and v_b must be 3-D \(num_tokens, num_heads, head_size\)"),

@@ -178,8 +178,11 @@ def _fake(tensor) -> bool:
 
 def _merge(fmt, partial_o, stats, scalar, sinks, split_counts, out, return_stats, kv_split):
     # Traced, or fake tensors: the custom op (its fake implementation, or the eager path
-    # with real tensors when the graph runs).
+    # with real tensors when the graph runs). Fake CUDA tensors outside a trace are checked
+    # against the device first, as a launch would be (cause and remedy where it cannot run).
     if _is_compiling() or _fake(partial_o):
+        if not _is_compiling() and partial_o.device.type == "cuda":
+            _kernel.check_device(partial_o.device.index or 0)
         # A maxsum scale may be a traced value: the op checks it when it runs.
         checked = 1.0 if fmt == MAXSUM else scalar
         out_dtype = _validate(fmt, partial_o, stats, checked, sinks, split_counts, out, kv_split)

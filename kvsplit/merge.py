@@ -33,8 +33,8 @@ from ._call import merge_call
 from .dispatch.dispatcher import config_for_layout, read_environment as _read_environment
 from .launches import LayoutLaunch
 from .launches import table as _launches
-from .validation import (_FLOAT32_MAX, _FLOAT32_TINY, _LN2, _OUT_DTYPES, LSE, MAXSUM, NO_EXTRAS, Extras,
-                         _check_grad, _check_scalar, _validate)
+from .validation import (_FLOAT32_MAX, _FLOAT32_TINY, _LN2, _OUT_DTYPES, LSE, MAXSUM, NO_EXTRAS,
+                         Extras, _check_grad, _check_scalar, _validate)
 
 _current_stream = _kernel.current_stream
 _call_fast, _call_add = _kernel.call_fast, _kernel.call_add

@@ -82,9 +82,12 @@ def one_layout(first: torch.Tensor, second: torch.Tensor, *,
 
 def head_dim(name: str, value: torch.Tensor, what: str) -> None:
     """The last dim of ``value`` (``what``, as the engine calls it): a whole number of
-    16-byte vectors of its dtype, from one vector up to 1024 elements."""
+    16-byte vectors of its dtype, from one vector up to 1024 elements, at unit stride."""
     size, vector = value.shape[-1], 16 // value.element_size()
     if size < vector or size % vector or size > 1024:
         raise ValueError(f"{name}: {what} {size} is not supported with "
                          f"{str(value.dtype).removeprefix('torch.')} states; use a multiple of "
                          f"{vector} (16 bytes) from {vector} to 1024")
+    if value.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride on {what} (its last dim), got "
+                         f"strides {value.stride()}")

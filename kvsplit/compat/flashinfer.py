@@ -151,6 +151,7 @@ def _check_pair(names, v_a, s_a, v_b, s_b) -> None:
     _checks.tensor(sa, s_a, dims="(seq_len, num_heads)", shape=tuple(v_a.shape[:2]),
                    dtypes=(torch.float32,), device=v_a.device)
     _checks.same(nb, v_b, na, v_a)
+    _checks.head_dim(nb, v_b, "head_dim")
     _checks.same(sb, s_b, sa, s_a)
 
 

@@ -53,6 +53,7 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
         raise TypeError(f"{na} and {nb} must share one dtype of float32, float16 or bfloat16, "
                         f"got {v_a.dtype} and {v_b.dtype}")
     _checks.head_dim(na, v_a, "head_size")
+    _checks.head_dim(nb, v_b, "head_size")
     if not s_a.is_floating_point() or not s_b.is_floating_point():
         raise TypeError(f"{sa} and {sb} must be floating point, got {s_a.dtype} and {s_b.dtype}")
     devices = {t.device for t in (v_a, s_a, v_b, s_b, v_merged, s_merged) if t is not None}
@@ -66,6 +67,9 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
         if v_merged.shape != v_a.shape:
             raise ValueError(f"{nv} must have shape {tuple(v_a.shape)}, got "
                              f"{tuple(v_merged.shape)}")
+        if v_merged.stride(-1) != 1:
+            raise ValueError(f"{nv} must have unit stride on head_size (its last dim), got "
+                             f"strides {v_merged.stride()}")
     if s_merged is not None:
         if s_merged.dtype != torch.float32:
             raise TypeError(f"{ns} must be float32, got {s_merged.dtype}")

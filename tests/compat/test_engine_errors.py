@@ -105,6 +105,14 @@ def cases(device):
         "xformers attn_split None": (
             lambda: xformers.merge_attentions(None, torch.randn(2, 1, 8, 4, device=device)),
             TypeError, r"attn_split must be a tensor or a list of tensors, got NoneType"),
+        "vllm strided suffix_output": (
+            lambda: vllm.merge_attn_states(out, o, lse, torch.cat([o2, o2], -1)[..., ::2], lse2,
+                                           out_lse),
+            ValueError, r"suffix_output must have unit stride on head_size \(its last dim\)"),
+        "flashinfer merge_state strided v_a": (
+            lambda: flashinfer.merge_state(torch.cat([o, o], -1)[..., ::2], lse.t(), o2,
+                                           lse2.t()),
+            ValueError, r"v_a must have unit stride on head_dim \(its last dim\)"),
         "sglang 2-D states": (
             lambda: sglang.merge_state_v2(o[0], lse, o2[0], lse2, out[0]),
             ValueError, r"v_a and v_b must be 3-D \(num_tokens, num_heads, head_size\)"),

@@ -20,7 +20,7 @@ from . import _kernel
 from .config import KernelConfig
 from .validation import (_LN2, _LOG2E, _PUBLIC_ROW_DIMS, _STATS_DTYPES, MAXSUM, NO_EXTRAS,
                          Extras, _check_extras, _check_strides, _check_tensor, _extent, _heads,
-                         _stats_name, _store_bytes, _validate, check_own_memory)
+                         _stats_name, _store_bytes, _validate)
 
 
 class ConfigRequest(NamedTuple):
@@ -89,7 +89,6 @@ class LayoutLaunch:
         if out_stats is not None:
             _check_tensor("out_stats" if fmt == MAXSUM else "out_lse", out_stats, _STATS_DTYPES,
                           self.stats_shape, device, len(row_shape) if fmt == MAXSUM else None)
-            check_own_memory("out_stats" if fmt == MAXSUM else "out_lse", out_stats)
         self.store_bytes = _store_bytes(partial_o.dtype, out_dtype)
         out_like = out if out is not None else torch.empty(self.out_shape, dtype=out_dtype,
                                                            device="meta")

@@ -243,7 +243,6 @@ def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: t
             raise ValueError(f"quant_group {group} does not divide head_dim {head_dim}")
         _check_tensor("group_scales", extras.group_scales, _SCALE_DTYPES,
                       row_shape + (head_dim // group,), device, None)
-        check_own_memory("group_scales", extras.group_scales)
     if not isinstance(extras.ue8m0, bool):
         raise TypeError(f"ue8m0 must be a bool, got {type(extras.ue8m0).__name__}")
     if extras.pass_through_from is not None:

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..config import head_dim_rule, head_dim_supported
 from ..validation import same_layout
 
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -81,13 +82,17 @@ def one_layout(first: torch.Tensor, second: torch.Tensor, *,
 
 
 def head_dim(name: str, value: torch.Tensor, what: str) -> None:
-    """The last dim of ``value`` (``what``, as the engine calls it): a whole number of
-    16-byte vectors of its dtype, from one vector up to 1024 elements, at unit stride."""
-    size, vector = value.shape[-1], 16 // value.element_size()
-    if size < vector or size % vector or size > 1024:
-        raise ValueError(f"{name}: {what} {size} is not supported with "
-                         f"{str(value.dtype).removeprefix('torch.')} states; use a multiple of "
-                         f"{vector} (16 bytes) from {vector} to 1024")
+    """The last dim of states ``value`` (``what``, as the engine calls it): one the kernels
+    take (:func:`kvsplit.config.head_dim_supported`), at unit stride."""
+    dtype = str(value.dtype).removeprefix("torch.")
+    if not head_dim_supported(value.shape[-1], dtype):
+        raise ValueError(f"{name}: {what} {value.shape[-1]} is not supported with {dtype} "
+                         f"states; use {head_dim_rule(dtype)}")
+    unit_stride(name, value, what)
+
+
+def unit_stride(name: str, value: torch.Tensor, what: str) -> None:
+    """``value``'s last dim (``what``) at unit stride, as the kernels read and write it."""
     if value.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride on {what} (its last dim), got "
                          f"strides {value.stride()}")

@@ -71,4 +71,4 @@ def _check(out_partial, lse_partial, out) -> None:
     if out is not None:
         _checks.tensor("out", out, dims="(batch, seqlen, num_heads, head_dim)",
                        shape=tuple(out_partial.shape[1:]), device=out_partial.device)
-        _checks.head_dim("out", out, "head_dim")
+        _checks.unit_stride("out", out, "head_dim")

@@ -67,9 +67,7 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
         if v_merged.shape != v_a.shape:
             raise ValueError(f"{nv} must have shape {tuple(v_a.shape)}, got "
                              f"{tuple(v_merged.shape)}")
-        if v_merged.stride(-1) != 1:
-            raise ValueError(f"{nv} must have unit stride on head_size (its last dim), got "
-                             f"strides {v_merged.stride()}")
+        _checks.unit_stride(nv, v_merged, "head_size")
     if s_merged is not None:
         if s_merged.dtype != torch.float32:
             raise TypeError(f"{ns} must be float32, got {s_merged.dtype}")

@@ -82,7 +82,7 @@ def _check(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_
     out_dtypes = _checks.STATE_DTYPES + tuple(getattr(torch, n) for n in FP8_DTYPES)
     _checks.tensor("output", output, dims=_STATES, shape=tuple(prefix_output.shape),
                    dtypes=out_dtypes, device=device)
-    _checks.head_dim("output", output, "head_size")
+    _checks.unit_stride("output", output, "head_size")
     _checks.head_dim("suffix_output", suffix_output, "head_size")
     for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         _checks.tensor(name, lse, dims=_LSES, shape=(heads, tokens), dtypes=(torch.float32,),

@@ -108,7 +108,8 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
                bool(stats_in_place), bool(return_stats), kv_split, type(kv_split), row_dims,
                out_dtype, extras.meta(), key_splits, names, _read_environment())
         general = _launches.get(key)
-    except (AttributeError, TypeError):  # not tensors: validation says what is wrong
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (or nested ones, whose
+        # shape raises): validation says what is wrong
         key = general = None
     if general is None:
         general = _GeneralLaunch(fmt, partial_o, stats, scalar, sinks, split_counts, out,

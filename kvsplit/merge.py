@@ -60,6 +60,13 @@ def _two_parts(partial_o, stats) -> bool:
             and type(stats) in (list, tuple) and len(stats) == 2)
 
 
+def _check_return(fmt, value) -> None:
+    """``return_lse`` / ``return_stats`` is a bool (a string such as "no" is truthy)."""
+    if value is not True and value is not False:
+        name = "return_stats" if fmt == MAXSUM else "return_lse"
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+
+
 def _outputs(fmt, partial_o, stats, out, out_dtype, return_stats):
     """``(out, out_stats)`` of a call without options that the per-call path may serve:
     ``out`` as given or allocated (``out_dtype``, else the partials' default), the exported
@@ -103,6 +110,8 @@ def _public(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_dtype, 
     indptr; ``out_dtype`` only without ``out``): served by the binding's per-call path, else
     stacked partials through :func:`_merge` and two parts through the general call, both
     registered for it; None for the others (the caller validates)."""
+    if return_stats is not False and return_stats is not True:
+        _check_return(fmt, return_stats)
     out_stats = None
     if out is None or return_stats:
         outputs = _outputs(fmt, partial_o, stats, out, out_dtype, return_stats)
@@ -146,7 +155,8 @@ def _layout_launch(fmt, partial_o, stats, scalar, sinks, split_counts, out, retu
                None if fmt == MAXSUM else scalar, return_stats, kv_split, type(kv_split),
                _read_environment())
         layout = _launches.get(key)
-    except (AttributeError, TypeError):  # not tensors, or an unhashable scalar: validation says
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (or nested ones, whose
+        # shape raises), or an unhashable scalar: validation says what is wrong
         key = layout = None
     if layout is None:
         layout = LayoutLaunch(config_for_layout, fmt, partial_o, stats, scalar, sinks,
@@ -269,14 +279,24 @@ def merge_lse_out(partial_o: torch.Tensor, partial_lse: torch.Tensor, base: floa
     _merge_into(LSE, partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split)
 
 
+def _one_device(partial_o, **tensors) -> None:
+    """The fake implementations' check: the dispatcher takes a call with any tensor on
+    "meta" there, so a meta ``out`` beside CPU partials would otherwise pass unwritten."""
+    for name, value in tensors.items():
+        if value is not None and value.device != partial_o.device:
+            raise ValueError(f"{name} is on {value.device} but partial_o is on {partial_o.device}")
+
+
 @merge_maxsum_out.register_fake
 def _(partial_o, partial_stats, scale_log2, sinks, split_counts, out, out_stats, kv_split):
-    return None
+    _one_device(partial_o, partial_stats=partial_stats, sinks=sinks, split_counts=split_counts,
+                out=out, out_stats=out_stats)
 
 
 @merge_lse_out.register_fake
 def _(partial_o, partial_lse, base, sinks, split_counts, out, out_lse, kv_split):
-    return None
+    _one_device(partial_o, partial_lse=partial_lse, sinks=sinks, split_counts=split_counts,
+                out=out, out_lse=out_lse)
 
 
 def _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
@@ -353,7 +373,7 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
     if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
             and pass_through_from is None and indptr is None
             and (out is None or out_dtype is None) and not _is_compiling()):
-        if out is not None and not return_stats and type(partial_o) is torch.Tensor:
+        if out is not None and return_stats is False and type(partial_o) is torch.Tensor:
             # The commonest call, without a frame more: the per-call path, else validation.
             if _call_fast(_FORMS[MAXSUM], partial_o, partial_stats, scale_log2, sinks,
                           split_counts, out, None, kv_split):
@@ -364,6 +384,7 @@ def merge_maxsum(partial_o, partial_stats, scale_log2, *, sinks=None, split_coun
                          out_dtype, return_stats, kv_split)
         if served is not None:
             return served
+    _check_return(MAXSUM, return_stats)
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
                       indptr)
     if extras is not None or isinstance(partial_o, (list, tuple)):
@@ -405,7 +426,7 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
     if (out_scale is None and group_scales is None and quant_group is None and ue8m0 is False
             and pass_through_from is None and indptr is None
             and (out is None or out_dtype is None) and not _is_compiling()):
-        if out is not None and not return_lse and type(partial_o) is torch.Tensor:
+        if out is not None and return_lse is False and type(partial_o) is torch.Tensor:
             # The commonest call, without a frame more: the per-call path, else validation.
             if _call_fast(_FORMS[LSE], partial_o, partial_lse, base, sinks, split_counts, out,
                           None, kv_split):
@@ -416,6 +437,7 @@ def merge_lse(partial_o, partial_lse, *, base=2.0, sinks=None, split_counts=None
                          return_lse, kv_split)
         if served is not None:
             return served
+    _check_return(LSE, return_lse)
     extras = _general(out_dtype, out_scale, group_scales, quant_group, ue8m0, pass_through_from,
                       indptr)
     if extras is not None or isinstance(partial_o, (list, tuple)):

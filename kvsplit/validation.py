@@ -48,6 +48,13 @@ def _type_error(name: str, value: object) -> TypeError:
     return TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def check_dense(name: str, value: torch.Tensor) -> None:
+    """Refuses sparse, MKL-DNN and nested tensors: a merge reads and writes strided memory."""
+    if value.layout is not torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
+
+
 def _dtype_error(name: str, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> TypeError:
     allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
     return TypeError(f"{name} must have dtype {allowed}; got {str(dtype).removeprefix('torch.')}")
@@ -58,6 +65,7 @@ def _check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...],
     """Type, dtype, shape, device and unit stride of one argument."""
     if not isinstance(value, torch.Tensor):
         raise _type_error(name, value)
+    check_dense(name, value)
     if value.dtype not in dtypes:
         raise _dtype_error(name, value.dtype, dtypes)
     if value.shape != shape:
@@ -99,6 +107,7 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
     _check_scalar(fmt, scalar)
     if not isinstance(partial_o, torch.Tensor):
         raise _type_error("partial_o", partial_o)
+    check_dense("partial_o", partial_o)
     dtype = partial_o.dtype
     if dtype not in _OUT_DTYPES:
         raise _dtype_error("partial_o", dtype, _PARTIAL_DTYPES)
@@ -128,6 +137,7 @@ def _validate(fmt, partial_o, stats, scalar, sinks, split_counts, out, kv_split,
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
             raise _type_error("sinks", sinks)
+        check_dense("sinks", sinks)
         if sinks.dtype != torch.float32:
             raise _dtype_error("sinks", sinks.dtype, _STATS_DTYPES)
         if sinks.dim() != 1 or sinks.numel() == 0:
@@ -271,6 +281,7 @@ def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: t
             value = getattr(extras, name)
             if not isinstance(value, torch.Tensor):
                 raise _type_error(name, value)
+            check_dense(name, value)
             if value.dtype != torch.int64 or value.dim() != 1 or value.stride(0) != 1:
                 raise ValueError(f"{name} must be a contiguous 1-D int64 tensor, got "
                                  f"{value.dtype} {tuple(value.shape)}")
@@ -346,6 +357,7 @@ def _stack_view(name: str, parts) -> torch.Tensor:
     for i, part in enumerate(parts):
         if not isinstance(part, torch.Tensor):
             raise _type_error(f"{name}[{i}]", part)
+        check_dense(f"{name}[{i}]", part)
         if not same_layout(first, part):
             raise ValueError(f"{name}[{i}] must have the dtype, shape, strides and device of "
                              f"{name}[0]")
@@ -356,14 +368,13 @@ def varlen_view(fmt, partial_o, stats, indptr):
     """Variable-length states as a layout: ``partial_o`` (nnz, [heads,] head_dim) and
     ``stats`` (nnz, [heads][, 2]) become (nnz, tokens, ...) views whose token stride is 0
     (a row's states are found through ``indptr``, tokens = len(indptr) - 1)."""
-    if not isinstance(indptr, torch.Tensor):
-        raise _type_error("indptr", indptr)
+    for name, value in (("indptr", indptr), ("partial_o", partial_o), (_stats_name(fmt), stats)):
+        if not isinstance(value, torch.Tensor):
+            raise _type_error(name, value)
+        check_dense(name, value)
     if indptr.dtype not in _INDPTR_DTYPES or indptr.dim() != 1 or indptr.shape[0] < 1:
         raise ValueError(f"indptr must be a 1-D int32 or int64 tensor of tokens + 1 offsets, got "
                          f"{indptr.dtype} {tuple(indptr.shape)}")
-    for name, value in (("partial_o", partial_o), (_stats_name(fmt), stats)):
-        if not isinstance(value, torch.Tensor):
-            raise _type_error(name, value)
     if partial_o.dim() not in (2, 3):
         raise ValueError(f"with indptr, partial_o must be (nnz, head_dim) or (nnz, heads, "
                          f"head_dim), got {partial_o.dim()}-D")
@@ -414,6 +425,7 @@ def _check_row_mask(row_mask, partial_o: torch.Tensor) -> int:
         return 1
     if not isinstance(row_mask, torch.Tensor):
         raise _type_error("mask", row_mask)
+    check_dense("mask", row_mask)
     tokens = math.prod(partial_o.shape[1:-2]) if partial_o.dim() > 3 else None
     if row_mask.dtype not in (torch.bool, torch.uint8) or row_mask.dim() != 1 or (
             tokens is not None and row_mask.shape[0] != tokens):

@@ -457,6 +457,27 @@ def test_custom_op_checks_its_stats_output(fmt, case):
     torch.testing.assert_close(good, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["out", "stats", "out_stats"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_custom_op_with_one_tensor_on_meta(fmt, name):
+    """The dispatcher sends a call with any meta tensor to the op's fake implementation:
+    a meta tensor beside CPU ones is refused there, as a call on two devices is."""
+    args = valid_args(fmt)
+    out_stats = torch.empty((ROWS, 2) if fmt == "maxsum" else (ROWS,))
+    tensors = {"stats": args["stats"], "out": args["out"], "out_stats": out_stats}
+    tensors[name] = tensors[name].to("meta")
+    op = (torch.ops.kvsplit.merge_maxsum_out if fmt == "maxsum"
+          else torch.ops.kvsplit.merge_lse_out)
+    shown = {"stats": stats_name(fmt), "out": "out",
+             "out_stats": "out_stats" if fmt == "maxsum" else "out_lse"}[name]
+    with pytest.raises(ValueError, match=f"^{shown} is on meta but partial_o is on cpu"):
+        op(args["partial_o"], tensors["stats"], 1.0 if fmt == "maxsum" else 2.0, None, None,
+           tensors["out"], tensors["out_stats"], 0)
+    meta = {key: value.to("meta") for key, value in tensors.items()}  # all on meta: no error
+    op(args["partial_o"].to("meta"), meta["stats"], 1.0 if fmt == "maxsum" else 2.0, None, None,
+       meta["out"], meta["out_stats"], 0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("layout", ["rows closer than a row", "expanded"])
 def test_out_whose_elements_share_memory(fmt, layout):
@@ -465,6 +486,57 @@ def test_out_whose_elements_share_memory(fmt, layout):
     args["out"] = (torch.as_strided(buffer, (ROWS, HEAD_DIM), (HEAD_DIM // 2, 1))
                    if layout != "expanded" else buffer[:HEAD_DIM].expand(ROWS, HEAD_DIM))
     assert_rejected(fmt, args, ValueError, "out")
+
+
+def _not_dense(value, kind):
+    if kind == "sparse":
+        return value.to_sparse()
+    return torch.nested.nested_tensor(list(value))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+@pytest.mark.parametrize("name", ["partial_o", "stats", "sinks", "split_counts", "out",
+                                  "partial_o[1]", "indptr"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tensor_that_is_not_dense(fmt, name, kind):
+    """Sparse and nested tensors have no strided memory to read or write: a TypeError
+    naming the argument, in the stacked, list-of-parts and variable-length calls."""
+    args = valid_args(fmt)
+    kwargs = {}
+    if name == "partial_o[1]":
+        args["partial_o"] = [args["partial_o"][0], _not_dense(args["partial_o"][1], kind)]
+        args["stats"] = [args["stats"][0], args["stats"][1]]
+    elif name == "indptr":
+        args["partial_o"], args["stats"] = args["partial_o"][0], args["stats"][0]
+        del args["out"]
+        offsets = torch.arange(ROWS + 1, dtype=torch.int32)
+        kwargs["indptr"] = offsets.to_sparse() if kind == "sparse" else _not_dense(
+            offsets.view(3, 3), kind)
+    elif name in ("sinks", "split_counts"):
+        value = (torch.zeros(2, 4) if name == "sinks"
+                 else torch.full((2, ROWS // 2), NUM_SPLITS, dtype=torch.int32))
+        kwargs[name] = value.view(-1).to_sparse() if kind == "sparse" else _not_dense(value, kind)
+    else:
+        args[name] = _not_dense(args[name], kind)
+    with pytest.raises(TypeError, match="must be a dense \\(strided\\) tensor") as caught:
+        call(fmt, **args, **kwargs)
+    shown = stats_name(fmt) if name == "stats" else name
+    assert str(caught.value).startswith(shown + " "), caught.value
+
+
+@pytest.mark.parametrize("flag", ["no", 1, 0, None])
+@pytest.mark.parametrize("given_out", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_return_stats_takes_a_bool(fmt, flag, given_out):
+    """A string such as "no" is truthy: return_lse / return_stats must be True or False."""
+    args = valid_args(fmt)
+    if not given_out:
+        del args["out"]
+    name = "return_stats" if fmt == "maxsum" else "return_lse"
+    assert_rejected(fmt, args, TypeError, name, **{name: flag})
+    assert_rejected(fmt, valid_args(fmt), TypeError, name, **{name: flag, "out_dtype": None,
+                                                              "pass_through_from": 2})
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

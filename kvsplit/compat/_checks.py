@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import head_dim_rule, head_dim_supported
-from ..validation import same_layout
+from ..validation import check_dense, same_layout
 
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -32,6 +32,7 @@ def tensor(name: str, value, *, dims: Optional[str] = None, shape: Optional[tupl
     given by other arguments), ``dtypes`` the allowed ones, ``device``."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    check_dense(name, value)
     if dims is not None:
         rank = sum(1 for part in dims.strip("()").split(",") if part.strip())
         if value.dim() != rank:

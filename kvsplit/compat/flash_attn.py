@@ -34,8 +34,8 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor,
     (batch, seqlen, num_heads) laid out (batch, num_heads, seqlen) in memory,
     as FlashAttention returns it, base e.
     """
-    if out is not None and not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out is not None:
+        _checks.tensor("out", out)
     dtype = out.dtype if out is not None else out_dtype or torch.float32
     if dtype not in _OUT_DTYPES:
         raise TypeError(f"{'out' if out is not None else 'out_dtype'} must be torch.float32, "

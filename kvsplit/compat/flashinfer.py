@@ -125,8 +125,7 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
     LSE -inf, as in FlashInfer.
     """
     for name, value in (("v", v), ("s", s), ("indptr", indptr)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        _checks.tensor(name, value)
     if v.dim() != 3 or s.dim() != 2 or v.shape[:2] != s.shape:
         raise ValueError(f"v must be (nnz, num_heads, head_dim) and s (nnz, num_heads), got "
                          f"{tuple(v.shape)} and {tuple(s.shape)}")

@@ -38,8 +38,8 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
     as the caller calls them)."""
     na, sa, nb, sb, nv, ns = names
     for i, (name, value) in enumerate(zip(names, (v_a, s_a, v_b, s_b, v_merged, s_merged))):
-        if (i < 4 or value is not None) and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if i < 4 or value is not None:
+            _checks.tensor(name, value)
     if v_a.dim() != 3 or v_b.dim() != 3:
         raise ValueError(f"{na} and {nb} must be 3-D (num_tokens, num_heads, head_size), got "
                          f"{tuple(v_a.shape)} and {tuple(v_b.shape)}")

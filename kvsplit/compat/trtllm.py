@@ -28,6 +28,7 @@ from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
 from ..config import head_dim_rule, head_dim_supported
 from ..validation import LSE, Extras
+from . import _checks
 
 __all__ = ["merge_chunked_attention_for_mla"]
 _ATTN_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
@@ -50,8 +51,7 @@ def _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num
                "temp_softmax_stats": temp_softmax_stats, "cu_q_seq_lens": cu_q_seq_lens,
                "merge_op": merge_op}
     for name, value in tensors.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        _checks.tensor(name, value)
     for name, value in (("num_requests", num_requests), ("max_q_seq_len", max_q_seq_len),
                         ("num_heads", num_heads), ("head_size", head_size)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):

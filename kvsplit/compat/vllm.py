@@ -91,6 +91,9 @@ def _check(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_
         _checks.tensor("output_lse", output_lse, dims=_LSES, shape=(heads, tokens),
                        dtypes=(torch.float32,), device=device)
     _checks.optional_int("prefill_tokens_with_context", prefill_tokens_with_context, 0, tokens)
+    if output_scale is None and output.dtype in out_dtypes[3:]:
+        raise TypeError(f"output is {str(output.dtype).removeprefix('torch.')}: an FP8 output "
+                        f"needs output_scale, the scale it is quantized with")
     if output_scale is not None:
         _checks.tensor("output_scale", output_scale, dtypes=(torch.float32,), device=device)
         if output_scale.numel() != 1:

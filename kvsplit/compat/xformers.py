@@ -19,6 +19,7 @@ from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
 from ..config import DTYPE_PAIRS
 from ..validation import LSE
+from . import _checks
 
 __all__ = ["merge_attentions"]
 _ATTN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,6 +52,8 @@ def _chunk_lists(attn_split: Chunks, lse_split: Chunks):
         if not isinstance(value, (torch.Tensor, list, tuple)):
             raise TypeError(f"{name} must be a tensor or a list of tensors, got "
                             f"{type(value).__name__}")
+        if isinstance(value, torch.Tensor):
+            _checks.tensor(name, value)
     attn = list(attn_split.unbind(0)) if isinstance(attn_split, torch.Tensor) else list(attn_split)
     lse = list(lse_split.unbind(0)) if isinstance(lse_split, torch.Tensor) else list(lse_split)
     if len(attn) != len(lse):
@@ -59,8 +62,7 @@ def _chunk_lists(attn_split: Chunks, lse_split: Chunks):
         raise ValueError("attn_split is empty: nothing to merge")
     for name, chunks in (("attn_split", attn), ("lse_split", lse)):
         for i, chunk in enumerate(chunks):
-            if not isinstance(chunk, torch.Tensor):
-                raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(chunk).__name__}")
+            _checks.tensor(f"{name}[{i}]", chunk)
     for i, (a, s) in enumerate(zip(attn, lse)):
         if a.shape != attn[0].shape or s.shape != lse[0].shape:
             raise ValueError(f"chunk {i} has shapes {tuple(a.shape)} and {tuple(s.shape)}, chunk 0 "
@@ -126,7 +128,7 @@ def merge_attentions(attn_split: Chunks, lse_split: Chunks, write_lse: bool = Tr
         if call_fast(_FORM, attn_split, lse_split, attn_out, lse_out):
             return attn_out, lse_out
     if isinstance(attn_split, torch.Tensor) and isinstance(lse_split, torch.Tensor):
-        attn, lse = attn_split, lse_split
+        attn, lse = _checks.tensor("attn_split", attn_split), _checks.tensor("lse_split", lse_split)
         if attn.dim() != lse.dim() + 1 or attn.dim() not in (5, 6):
             raise ValueError(f"attn_split {tuple(attn.shape)} and lse_split {tuple(lse.shape)}: "
                              "expected [C, B, M, (G,) H, K] and [C, B, (G,) H, M]")

@@ -116,6 +116,38 @@ def cases(device):
         "sglang 2-D states": (
             lambda: sglang.merge_state_v2(o[0], lse, o2[0], lse2, out[0]),
             ValueError, r"v_a and v_b must be 3-D \(num_tokens, num_heads, head_size\)"),
+        "vllm FP8 output without output_scale": (
+            lambda: vllm.merge_attn_states(
+                torch.zeros(T, H, D, dtype=torch.float8_e4m3fn, device=device), o, lse, o2, lse2,
+                out_lse),
+            TypeError, r"output is float8_e4m3fn: an FP8 output needs output_scale"),
+        "vllm sparse prefix_lse": (
+            lambda: vllm.merge_attn_states(out, o, lse.to_sparse(), o2, lse2, out_lse),
+            TypeError, r"prefix_lse must be a dense \(strided\) tensor, got a sparse_coo tensor"),
+        "sglang sparse v_b": (
+            lambda: sglang.merge_state_v2(o, lse.t(), o2.to_sparse(), lse2.t(), out),
+            TypeError, r"v_b must be a dense \(strided\) tensor"),
+        "flashinfer merge_states sparse v": (
+            lambda: flashinfer.merge_states(v.to_sparse(), s),
+            TypeError, r"v must be a dense \(strided\) tensor"),
+        "flashinfer variable_length sparse indptr": (
+            lambda: flashinfer.variable_length_merge_states(
+                o, lse.t(), torch.tensor([0, 1, 4], device=device).to_sparse()),
+            TypeError, r"indptr must be a dense \(strided\) tensor"),
+        "xformers sparse lse_split": (
+            lambda: xformers.merge_attentions(torch.stack([o, o2])[:, None],
+                                              torch.stack([lse, lse2])[:, None].to_sparse()),
+            TypeError, r"lse_split must be a dense \(strided\) tensor"),
+        "xformers sparse chunk": (
+            lambda: xformers.merge_attentions([o[None], o2[None].to_sparse()],
+                                              [lse[None], lse2[None]]),
+            TypeError, r"attn_split\[1\] must be a dense \(strided\) tensor"),
+        "fa3 sparse out": (
+            lambda: flash_attn.flash_attn_combine(torch.randn(2, 1, 3, 8, 64, device=device),
+                                                  torch.randn(2, 1, 3, 8, device=device),
+                                                  out=torch.zeros(1, 3, 8, 64,
+                                                                  device=device).to_sparse()),
+            TypeError, r"out must be a dense \(strided\) tensor"),
     }, (out, out_lse)
 
 

@@ -19,7 +19,10 @@ captured ``--captures`` times (in alternating order) and each call's time
 is the median over the captures of its median; the largest spread of one
 call's per-capture medians is printed. The first table's ratios are each
 adapter over the plain API on its tensors (what the adapter's layer costs);
-the second's over split-major "+lse" (what the engine's layout costs).
+the second's over split-major "+lse" (what the engine's layout costs). A
+control, FlashInfer merge_states' plain twin captured once more in a graph
+of its own, gives the ratio of one call to itself: how far apart two
+captures of the same work land.
 Two-state adapters (FlashInfer merge_state and merge_state_in_place, vLLM)
 run at N = 2 only; merge_state_in_place has no plain twin (the plain API
 does not export stats over its inputs). Writes DIR/adapters.json and prints
@@ -45,6 +48,7 @@ ROWS = [(1, 16), (1, 128), (16, 16), (64, 128)]  # (tokens, heads)
 HEAD_DIMS = (128, 512)
 NUM_SPLITS = (2, 16, 264)
 BUDGET_S = 150.0  # the device run is short: stop adding shapes past this
+CONTROL = "flashinfer.merge_states plain again"
 
 
 def _launches(tokens: int, heads: int, head_dim: int, n: int):
@@ -66,6 +70,8 @@ def _launches(tokens: int, heads: int, head_dim: int, n: int):
     lau["flashinfer.merge_states"] = lambda i: flashinfer.merge_states(v_fi, s_fi)
     lau["flashinfer.merge_states plain"] = lambda i: kvsplit.merge_lse(
         v_fi.transpose(0, 1), s_fi.transpose(0, 1), base=2.0, return_lse=True)
+    # The control: the same call in a graph of its own (its own outputs' memory).
+    lau[CONTROL] = lau["flashinfer.merge_states plain"]
     # FlashAttention 3: float32 partials, LSE contiguous along seqlen (here tokens).
     o32 = v.float().view(n, 1, tokens, heads, head_dim)
     s_fa = s.permute(0, 2, 1).contiguous().permute(0, 2, 1).view(n, 1, tokens, heads)
@@ -128,6 +134,8 @@ def main() -> None:
                                                         "results": results}, indent=1))
     print(plain_table(results))
     print()
+    print(control_line(results))
+    print()
     print(table(results))
     print()
     print(spread_line(results))
@@ -156,6 +164,19 @@ def plain_table(results) -> str:
     lines.append("Worst adapter / plain API on the same tensors: " + ", ".join(
         f"{a} {w:.3f}" for a, w in worst.items()))
     return "\n".join(lines)
+
+
+def control_line(results) -> str:
+    """The plain call against itself: how far two captures of one call land apart."""
+    twin = "flashinfer.merge_states plain"
+    pairs = [(max(r["us"][CONTROL] / r["us"][twin], r["us"][twin] / r["us"][CONTROL]), r)
+             for r in results if CONTROL in r["us"]]
+    if not pairs:
+        return "No control timed."
+    value, r = max(pairs, key=lambda item: item[0])
+    return (f"Control, the plain twin of flashinfer.merge_states captured twice: worst "
+            f"{value:.3f} (D {r['head_dim']}, N {r['num_splits']}, {r['tokens']}x{r['heads']}), "
+            f"median {statistics.median(v for v, _ in pairs):.3f}")
 
 
 def table(results) -> str:

@@ -65,6 +65,8 @@ def _check(out_partial, lse_partial, out) -> None:
                    dims="(num_splits, batch, seqlen, num_heads, head_dim)",
                    dtypes=_checks.STATE_DTYPES)
     _checks.head_dim("out_partial", out_partial, "head_dim")
+    _checks.vector_strides("out_partial", out_partial,
+                           "(num_splits, batch, seqlen, num_heads, head_dim)")
     _checks.tensor("lse_partial", lse_partial, dims="(num_splits, batch, seqlen, num_heads)",
                    shape=tuple(out_partial.shape[:4]), dtypes=(torch.float32,),
                    device=out_partial.device)
@@ -72,3 +74,5 @@ def _check(out_partial, lse_partial, out) -> None:
         _checks.tensor("out", out, dims="(batch, seqlen, num_heads, head_dim)",
                        shape=tuple(out_partial.shape[1:]), device=out_partial.device)
         _checks.unit_stride("out", out, "head_dim")
+        _checks.vector_strides("out", out, "(batch, seqlen, num_heads, head_dim)",
+                               partial_dtype=out_partial.dtype)

@@ -24,6 +24,7 @@ _MERGE_STATES = call_form([_R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS])
 _MERGE_STATE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.OUT, _R.OUT_STATS])
 _IN_PLACE = call_form([_R.PARTIAL_O, _R.STATS, _R.PARTIAL_O, _R.STATS, _R.ROW_MASK],
                       into_first=True)
+_PAIR = "(seq_len, num_heads, head_dim)"
 _STATES_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"), ("out_stats", "s_merged"))
 _STATE_NAMES = (("o_parts", ("v_a", "v_b")), ("s_parts", ("s_a", "s_b")), ("out", "v_merged"),
                 ("out_stats", "s_merged"))
@@ -70,6 +71,7 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
     if not call_fast(_MERGE_STATE, v_a, s_a, v_b, s_b, v_merged, s_merged):
         _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
         a, b, copied_v = _checks.one_layout(v_a, v_b)  # different strides: one layout
+        _checks.vector_strides("v_a", a, _PAIR)  # (a copy is contiguous)
         sa, sb, copied_s = _checks.one_layout(s_a, s_b)
         merge_call(LSE, (a, b), (sa, sb), 2.0, out=v_merged, out_stats=s_merged,
                    names=_STATE_NAMES,
@@ -95,6 +97,7 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
         _checks.tensor("mask", mask, dims="(seq_len,)", shape=(v.shape[0],),
                        dtypes=(torch.bool, torch.uint8), device=v.device)
     check_own_memory("v", v)  # before a copy into its strides
+    _checks.vector_strides("v", v, _PAIR)
     check_own_memory("s", s)
     # The other state in v's and s's strides where its own differ (v and s are written).
     _, other, copied_v = _checks.one_layout(v, v_other, keep_first=True)
@@ -133,6 +136,7 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
         raise TypeError(f"s must be float32 (FlashInfer would convert a copy), got {s.dtype}")
     _checks.tensor("v", v, dtypes=_checks.STATE_DTYPES)
     _checks.head_dim("v", v, "head_dim")
+    _checks.vector_strides("v", v, "(nnz, num_heads, head_dim)")
     if indptr.dim() != 1 or indptr.shape[0] < 1:
         raise ValueError(f"indptr must be 1-D (seq_len + 1,), got shape {tuple(indptr.shape)}")
     seq_len, num_heads, head_dim = indptr.shape[0] - 1, v.shape[1], v.shape[2]
@@ -145,7 +149,7 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
 def _check_pair(names, v_a, s_a, v_b, s_b) -> None:
     """Two states (seq_len, num_heads, head_dim) with float32 LSEs (seq_len, num_heads)."""
     na, sa, nb, sb = names
-    _checks.tensor(na, v_a, dims="(seq_len, num_heads, head_dim)", dtypes=_checks.STATE_DTYPES)
+    _checks.tensor(na, v_a, dims=_PAIR, dtypes=_checks.STATE_DTYPES)
     _checks.head_dim(na, v_a, "head_dim")
     _checks.tensor(sa, s_a, dims="(seq_len, num_heads)", shape=tuple(v_a.shape[:2]),
                    dtypes=(torch.float32,), device=v_a.device)
@@ -158,5 +162,6 @@ def _check_states(v, s) -> None:
     _checks.tensor("v", v, dims="(seq_len, num_states, num_heads, head_dim)",
                    dtypes=_checks.STATE_DTYPES)
     _checks.head_dim("v", v, "head_dim")
+    _checks.vector_strides("v", v, "(seq_len, num_states, num_heads, head_dim)")
     _checks.tensor("s", s, dims="(seq_len, num_states, num_heads)", shape=tuple(v.shape[:3]),
                    dtypes=(torch.float32,), device=v.device)

@@ -31,6 +31,7 @@ _ROLES = [ROLES.PARTIAL_O, ROLES.STATS, ROLES.PARTIAL_O, ROLES.STATS, ROLES.OUT,
           ROLES.OUT_STATS]
 _FORM_V2 = call_form(_ROLES, in_place=True)
 _FORM_DISPATCHER = call_form(_ROLES, in_place=True)
+_STATES = "(num_tokens, num_heads, head_size)"
 
 
 def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None:
@@ -41,7 +42,7 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
         if i < 4 or value is not None:
             _checks.tensor(name, value)
     if v_a.dim() != 3 or v_b.dim() != 3:
-        raise ValueError(f"{na} and {nb} must be 3-D (num_tokens, num_heads, head_size), got "
+        raise ValueError(f"{na} and {nb} must be 3-D {_STATES}, got "
                          f"{tuple(v_a.shape)} and {tuple(v_b.shape)}")
     if s_a.dim() != 2 or s_b.dim() != 2:
         raise ValueError(f"{sa} and {sb} must be 2-D (num_tokens, num_heads), got "
@@ -68,6 +69,7 @@ def _check(names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dtype) -> None
             raise ValueError(f"{nv} must have shape {tuple(v_a.shape)}, got "
                              f"{tuple(v_merged.shape)}")
         _checks.unit_stride(nv, v_merged, "head_size")
+        _checks.vector_strides(nv, v_merged, _STATES, partial_dtype=v_a.dtype)
     if s_merged is not None:
         if s_merged.dtype != torch.float32:
             raise TypeError(f"{ns} must be float32, got {s_merged.dtype}")
@@ -117,6 +119,7 @@ def _merge_pair(form, names, v_a, s_a, v_b, s_b, v_merged, s_merged, any_out_dty
     check_own_memory(nv, v_merged)
     check_own_memory(ns, s_merged)
     v_a, v_b, copied_v = _checks.one_layout(v_a, v_b, keep_first=in_place)
+    _checks.vector_strides(na, v_a, _STATES)  # the layout both are read in (a copy's passes)
     s_a, s_b, copied_s = _checks.one_layout(s_a, s_b, keep_first=in_place)
     copied = copied or copied_v or copied_s
     merge_call(LSE, (v_a, v_b), (s_a, s_b), math.e, out=v_merged, out_stats=s_merged,

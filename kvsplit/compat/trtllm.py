@@ -114,7 +114,11 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
         may hold more tokens than merged_attn (the extra ones are not touched).
     num_requests : int
     cu_q_seq_lens : Tensor (num_requests + 1,), int64
-        Request b owns tokens cu_q_seq_lens[b] to cu_q_seq_lens[b + 1] - 1.
+        Request b owns tokens cu_q_seq_lens[b] to cu_q_seq_lens[b + 1] - 1. Read on
+        the device only (no host copy, so a call captures into a CUDA graph), not
+        checked: a token outside [cu_q_seq_lens[0], cu_q_seq_lens[num_requests]) is
+        untouched, and offsets out of order give a token some request's op, never an
+        access outside the tensors.
     max_q_seq_len : int
         TensorRT-LLM sizes its grid with it; its kernel covers every token of a
         request whatever it is, and so does this one (checked, not used).

@@ -58,6 +58,7 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
     extras = (NO_EXTRAS if prefill_tokens_with_context is None and output_scale is None
               else Extras(out_scale=output_scale, pass_through_from=prefill_tokens_with_context))
     o_a, o_b, copied_o = _checks.one_layout(prefix_output, suffix_output)
+    _checks.vector_strides("prefix_output", o_a, _STATES)  # (a copy is contiguous)
     s_a, s_b, copied_s = _checks.one_layout(prefix_lse, suffix_lse)
     merge_call(LSE, (o_a, o_b), (s_a.t(), s_b.t()), math.e,
                out=output, out_stats=None if output_lse is None else output_lse.t(),
@@ -83,6 +84,7 @@ def _check(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_
     _checks.tensor("output", output, dims=_STATES, shape=tuple(prefix_output.shape),
                    dtypes=out_dtypes, device=device)
     _checks.unit_stride("output", output, "head_size")
+    _checks.vector_strides("output", output, _STATES, partial_dtype=prefix_output.dtype)
     _checks.head_dim("suffix_output", suffix_output, "head_size")
     for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
         _checks.tensor(name, lse, dims=_LSES, shape=(heads, tokens), dtypes=(torch.float32,),

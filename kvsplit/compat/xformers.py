@@ -163,6 +163,10 @@ def merge_attentions(attn_split: Chunks, lse_split: Chunks, write_lse: bool = Tr
                         f"{out_dtype}")
     shape = tuple(attn[0].shape)  # [B, M, (G,) H, K]
     grouped = len(shape) == 5
+    dims = "C, B, M, G, H, K" if grouped else "C, B, M, H, K"
+    first, first_name = (attn, "attn_split") if stacked else (attn[0], "attn_split[0]")
+    _checks.head_dim(first_name, first, "K")
+    _checks.vector_strides(first_name, first, f"[{dims if stacked else dims[3:]}]")
     if attn_out is None or attn_out.dtype != out_dtype:
         attn_out, lse_out = _outputs(shape, out_dtype, attn[0].device, write_lse)
 

@@ -30,6 +30,10 @@ def cases(device):
     s = torch.stack([lse.t(), lse2.t()], 1)
     out = sentinel(T, H, D, device=device)
     out_lse = sentinel(H, T, dtype=torch.float32, device=device)
+
+    def wide():  # bf16 states whose heads lie 68 elements (136 bytes) apart
+        return torch.randn(T, H, D + 4, device=device).bfloat16()[..., :D]
+
     return {
         "vllm output_lse token-major": (
             lambda: vllm.merge_attn_states(out, o, lse, o2, lse2,
@@ -148,6 +152,38 @@ def cases(device):
                                                   out=torch.zeros(1, 3, 8, 64,
                                                                   device=device).to_sparse()),
             TypeError, r"out must be a dense \(strided\) tensor"),
+        "vllm prefix_output heads 136 bytes apart": (
+            lambda: vllm.merge_attn_states(out, wide(), lse, wide(), lse2, out_lse),
+            ValueError, r"^prefix_output: the stride of num_heads is 68 elements, 136 bytes, not "
+                        r"a multiple of 16 bytes"),
+        "vllm output heads 136 bytes apart": (
+            lambda: vllm.merge_attn_states(wide(), o, lse, o2, lse2, out_lse),
+            ValueError, r"^output: the stride of num_heads is 68 elements"),
+        "sglang v_a heads 136 bytes apart": (
+            lambda: sglang.merge_state_v2(wide(), lse.t(), wide(), lse2.t()),
+            ValueError, r"^v_a: the stride of num_heads is 68 elements"),
+        "flashinfer merge_states heads 136 bytes apart": (
+            lambda: flashinfer.merge_states(
+                torch.randn(T, 2, H, D + 4, device=device).bfloat16()[..., :D], s),
+            ValueError, r"^v: the stride of num_heads is 68 elements"),
+        "flashinfer merge_state_in_place heads 136 bytes apart": (
+            lambda: flashinfer.merge_state_in_place(wide(), lse.t().contiguous(), o2,
+                                                    lse2.t().contiguous()),
+            ValueError, r"^v: the stride of num_heads is 68 elements"),
+        "xformers K of 24 bytes": (
+            lambda: xformers.merge_attentions(torch.stack([o, o2])[:, None, ..., :12],
+                                              torch.stack([lse, lse2])[:, None]),
+            ValueError, r"^attn_split: K 12 is not supported"),
+        "xformers heads 136 bytes apart": (
+            lambda: xformers.merge_attentions(
+                torch.randn(2, 1, T, H, D + 4, device=device).bfloat16()[..., :D],
+                torch.stack([lse, lse2])[:, None]),
+            ValueError, r"^attn_split: the stride of H is 68 elements"),
+        "fa3 heads 136 bytes apart": (
+            lambda: flash_attn.flash_attn_combine(
+                torch.randn(2, 1, T, H, D + 4, device=device).half()[..., :D],
+                torch.randn(2, 1, T, H, device=device)),
+            ValueError, r"^out_partial: the stride of num_heads is 68 elements"),
     }, (out, out_lse)
 
 

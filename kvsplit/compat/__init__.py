@@ -18,6 +18,7 @@ original returns, except where its module says otherwise:
   ((max, sum) stats of normalised partials, per-request skip/merge/copy in one
   kvsplit launch).
 
-Where the originals produce NaN (every state of a row empty), these give 0
-and an LSE of -inf, as every kvsplit merge does.
+A row whose states are all empty gives 0 and an LSE of -inf, as every kvsplit
+merge does (and FlashInfer, FlashAttention 3 and xFormers); vLLM's CUDA kernel
+writes the prefix's output there, SGLang's and TensorRT-LLM's give NaN.
 """

@@ -65,6 +65,8 @@ def _check(out_partial, lse_partial, out) -> None:
                    dims="(num_splits, batch, seqlen, num_heads, head_dim)",
                    dtypes=_checks.STATE_DTYPES)
     _checks.head_dim("out_partial", out_partial, "head_dim")
+    if out_partial.shape[0] == 0 and math.prod(out_partial.shape[1:4]) > 0:
+        raise ValueError("out_partial has num_splits = 0: nothing to combine")
     _checks.vector_strides("out_partial", out_partial,
                            "(num_splits, batch, seqlen, num_heads, head_dim)")
     _checks.tensor("lse_partial", lse_partial, dims="(num_splits, batch, seqlen, num_heads)",

@@ -5,7 +5,9 @@ base e, head-major; a +inf LSE (FlashAttention 2's value for an empty
 sequence) is read as an empty state, like -inf. The prefix and suffix merge
 where they lie: no stacking (where their strides differ, both are copied into
 one layout first). Both states empty: the output is 0 and the LSE
--inf (vLLM's kernels give NaN there).
+-inf (vLLM's CUDA kernel copies prefix_output there, zeros in the case it
+guards against). The output may not overlap either state (vLLM's elementwise
+kernels allow it): a ValueError.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The references below are written from FlashInfer's, vLLM's and FlashAttention
 3's own definitions (a state is (v, lse); merged v = sum_i w_i v_i / sum_i w_i
 with w_i = base^(lse_i - max), merged lse = log_base(sum_i w_i) + max), never
-from kvsplit. One documented departure: a row whose states are all empty
-gives v = 0 and lse = -inf where the originals give NaN. Every test runs on
+from kvsplit. A row whose states are all empty gives v = 0 and lse = -inf
+(vLLM's CUDA kernel writes the prefix's output there). Every test runs on
 the CPU and, marked gpu, on CUDA (the ``device`` fixture).
 """
 
@@ -58,7 +58,42 @@ def test_flashinfer_merge_states(device, tokens, num_states, heads, head_dim, dt
     out, lse = flashinfer.merge_states(v_fi, s_fi)
     assert out.shape == (tokens, heads, head_dim) and out.dtype == dtype
     assert lse.shape == (tokens, heads) and lse.dtype == torch.float32
+    if num_states == 1:  # FlashInfer copies one state as it is, an empty one included
+        assert torch.equal(out.cpu(), v[0]) and torch.equal(lse.cpu(), s[0])
+        return
     assert_close(out, lse, *merge_states_reference(v, s, 2.0))
+
+
+@pytest.mark.parametrize("lse_dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_flashinfer_converts_another_lse_dtype(device, lse_dtype):
+    """FlashInfer converts an LSE of another float dtype to float32 (a copy) in merge_state,
+    merge_states and merge_state_in_place's other state; the merged LSE is float32."""
+    v, s = random_states(3, (5, 4), 128, torch.bfloat16, gen("lse-dtype", lse_dtype))
+    s = s.to(lse_dtype)
+    ref_v, ref_s = merge_states_reference(v, s.float(), 2.0)
+    out, lse = flashinfer.merge_states(v.permute(1, 0, 2, 3).contiguous().to(device),
+                                       s.permute(1, 0, 2).contiguous().to(device))
+    assert lse.dtype == torch.float32
+    assert_close(out, lse, ref_v, ref_s)
+    ref_v, ref_s = merge_states_reference(v[:2], s[:2].float(), 2.0)
+    out, lse = flashinfer.merge_state(*(t.to(device) for t in (v[0], s[0], v[1], s[1])))
+    assert lse.dtype == torch.float32 and lse.shape == s[0].shape
+    assert_close(out, lse, ref_v, ref_s)
+    target_v, target_s = v[0].clone().to(device), s[0].float().to(device)
+    flashinfer.merge_state_in_place(target_v, target_s, v[1].to(device), s[1].to(device))
+    assert_close(target_v, target_s, ref_v, ref_s)
+
+
+def test_flashinfer_merge_states_of_no_state_and_one():
+    """No state: 0 and -inf. One state: copied as it is, +inf and NaN LSEs included."""
+    out, lse = flashinfer.merge_states(torch.randn(4, 0, 2, 16).half(), torch.randn(4, 0, 2))
+    assert (out == 0).all() and out.shape == (4, 2, 16) and (lse == -math.inf).all()
+    v = torch.randn(3, 1, 2, 16).half()
+    s = torch.tensor([math.inf, -math.inf, math.nan, 1.5, -2.0, 0.0]).view(3, 1, 2)
+    out, lse = flashinfer.merge_states(v, s)
+    assert torch.equal(out, v[:, 0])
+    assert torch.equal(lse.isnan(), s[:, 0].isnan())
+    assert torch.equal(lse[~lse.isnan()], s[:, 0][~s[:, 0].isnan()])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -169,6 +204,15 @@ def test_flash_attn_combine_returns_float32_by_default():
     out, lse = flash_attn.flash_attn_combine(v, s)
     assert out.dtype == torch.float32
     assert_close(out, lse, *merge_states_reference(v, s, math.e))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 0, 3), (2, 2, 5, 0), (2, 0, 5, 3)])
+def test_flash_attn_combine_of_no_rows(shape):
+    """No rows (seqlen, heads or batch 0): empty outputs, as FlashAttention 3 returns."""
+    out, lse = flash_attn.flash_attn_combine(torch.randn(*shape, 16), torch.randn(*shape))
+    assert out.shape == shape[1:] + (16,) and lse.shape == shape[1:]
+    with pytest.raises(ValueError, match="^out_partial has num_splits = 0"):
+        flash_attn.flash_attn_combine(torch.randn(0, 1, 2, 3, 16), torch.randn(0, 1, 2, 3))
 
 
 def test_flash_attn_combine_refuses_an_output_dtype_it_cannot_write():

@@ -41,12 +41,12 @@ class _GeneralLaunch:
                  row_mask, empty_stat, stats_in_place, kv_split, row_dims,
                  out_dtype=None, extras: Extras = NO_EXTRAS, key_splits=None, names=None):
         self.parts = len(partial_o) if isinstance(partial_o, (list, tuple)) else 0
+        partial_o, stats = _check_parts(fmt, partial_o, stats, self.parts)
         known = dict(names or ())
         for role, value in (("out", out), ("out_stats", out_stats),
                             ("group_scales", extras.group_scales)):
             if isinstance(value, torch.Tensor):
                 check_own_memory(known.get(role, role), value)
-        partial_o, stats = _check_parts(fmt, partial_o, stats, self.parts)
         mask_stride = _check_row_mask(row_mask, partial_o)
         self.in_place = stats_in_place
         if stats_in_place:

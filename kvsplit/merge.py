@@ -114,7 +114,10 @@ def _public(fmt, partial_o, stats, scalar, sinks, split_counts, out, out_dtype, 
         _check_return(fmt, return_stats)
     out_stats = None
     if out is None or return_stats:
-        outputs = _outputs(fmt, partial_o, stats, out, out_dtype, return_stats)
+        try:
+            outputs = _outputs(fmt, partial_o, stats, out, out_dtype, return_stats)
+        except RuntimeError:  # a nested tensor's shape raises: validation says what is wrong
+            return None
         if outputs is None:
             return None
         out, out_stats = outputs

@@ -334,7 +334,10 @@ def check_own_memory(name: str, value: Optional[torch.Tensor]) -> None:
     a dim of more than one element at stride 0 (an expanded tensor), or strides that do
     not each step past everything the smaller ones span (rows closer than a row is long).
     An empty output has nothing to share."""
-    if value is None or value.numel() == 0:
+    if value is None:
+        return
+    check_dense(name, value)
+    if value.numel() == 0:
         return
     span = 0  # how far the dims of smaller stride reach
     for stride, size in sorted((st, sz) for sz, st in zip(value.shape, value.stride()) if sz > 1):

@@ -286,12 +286,15 @@ def test_tune_with_a_bad_database_url_fails_with_the_stores_message(env, tmp_pat
 # -- tune as one worker of a fleet -----------------------------------------------------------
 
 def test_tune_status_shows_the_grids_progress_and_tunes_nothing(env, monkeypatch):
-    before = run_command("tune", *GRID, "--status", "--json")
-    assert before.exit_code == 0, before.output
-    progress = json.loads(before.stdout)
-    assert (progress["keys"], progress["done"], progress["claimed"], progress["failed"],
-            progress["left"]) == (4, 0, 0, 0, 4)
-    assert run_command("tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8", "--rows", "4,8",
+    missing = run_command("tune", *GRID, "--status", "--json")  # it only reads: no new file
+    assert missing.exit_code == 3 and "no such database file" in missing.output, missing.output
+    assert not (env.tmp_path / "tuning.sqlite").exists()
+    assert run_command("tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8", "--rows", "4",
+                       "--json").exit_code == 0
+    before = json.loads(run_command("tune", *GRID, "--status", "--json").stdout)
+    assert (before["keys"], before["done"], before["claimed"], before["failed"],
+            before["left"]) == (4, 1, 0, 0, 3)
+    assert run_command("tune", "--devices", "cpu", "--head-dim", "64", "--num-splits", "8", "--rows", "8",
                    "--json").exit_code == 0
 
     def forbidden(*args, **kwargs):

@@ -497,19 +497,27 @@ def _not_dense(value, kind):
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("kind", ["sparse", "nested"])
 @pytest.mark.parametrize("name", ["partial_o", "stats", "sinks", "split_counts", "out",
-                                  "partial_o[1]", "indptr"])
+                                  "partial_o[0]", "partial_o[1]", "indptr"])
+@pytest.mark.parametrize("given_out", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_tensor_that_is_not_dense(fmt, name, kind):
+def test_a_tensor_that_is_not_dense(fmt, name, kind, given_out):
     """Sparse and nested tensors have no strided memory to read or write: a TypeError
-    naming the argument, in the stacked, list-of-parts and variable-length calls."""
+    naming the argument, in the stacked, list-of-parts and variable-length calls, with
+    ``out`` given or allocated."""
+    if name == "out" and not given_out:
+        pytest.skip("out is the argument")
     args = valid_args(fmt)
+    if not given_out:
+        del args["out"]
     kwargs = {}
-    if name == "partial_o[1]":
-        args["partial_o"] = [args["partial_o"][0], _not_dense(args["partial_o"][1], kind)]
-        args["stats"] = [args["stats"][0], args["stats"][1]]
+    if name in ("partial_o[0]", "partial_o[1]"):
+        parts = [args["partial_o"][0], args["partial_o"][1]]
+        index = int(name[-2])
+        parts[index] = _not_dense(parts[index], kind)
+        args["partial_o"], args["stats"] = parts, [args["stats"][0], args["stats"][1]]
     elif name == "indptr":
         args["partial_o"], args["stats"] = args["partial_o"][0], args["stats"][0]
-        del args["out"]
+        args.pop("out", None)
         offsets = torch.arange(ROWS + 1, dtype=torch.int32)
         kwargs["indptr"] = offsets.to_sparse() if kind == "sparse" else _not_dense(
             offsets.view(3, 3), kind)

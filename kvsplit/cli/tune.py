@@ -264,7 +264,8 @@ def tune(ctx, head_dims, dtypes, out_dtypes, formats, num_splits, rows, pending,
     console = Console(stderr=True)
     targets = _devices(devices)
     db_url = storing_db_url(ctx)
-    with open_store(db_url, config_type=KernelConfig) as store:  # fail fast, with the store's message, on a bad database
+    # Fail fast, with the store's message, on a bad database; --status only reads (no new file).
+    with open_store(db_url, create=not status, config_type=KernelConfig) as store:
         damage = store.damage()
     if damage:
         verb = "does" if len(damage) == 1 else "do"
@@ -332,7 +333,8 @@ def _status(db_url, keys: list, as_json: bool) -> None:
     from .render import show_progress, to_json
     from .reports import fleet_progress
 
-    with open_store(db_url, on_damage="warn", config_type=KernelConfig) as store:
+    # It only reads: a database that is not there is exit 3, never a new file.
+    with open_store(db_url, create=False, on_damage="warn", config_type=KernelConfig) as store:
         result = fleet_progress(Claims(store), keys)
     if as_json:
         click.echo(to_json(result))

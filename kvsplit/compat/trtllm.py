@@ -146,8 +146,17 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
     temp_stats = temp_softmax_stats.view(-1, num_heads, 2)[:tokens, :, 0]
     extras = Extras(request_starts=cu_q_seq_lens[:num_requests + 1],
                     request_ops=merge_op[:num_requests], pair_stats=True)
-    merge_call(LSE, (attn, temp), (stats, temp_stats), math.e, out=attn, out_stats=stats,
-               stats_in_place=True, extras=extras, names=_NAMES,
-               register=(_FORM, False, merged_attn, temp_attn, merged_softmax_stats,
-                         temp_softmax_stats, num_requests, cu_q_seq_lens, merge_op, num_heads,
-                         head_size))
+    try:
+        merge_call(LSE, (attn, temp), (stats, temp_stats), math.e, out=attn, out_stats=stats,
+                   stats_in_place=True, extras=extras, names=_NAMES,
+                   register=(_FORM, False, merged_attn, temp_attn, merged_softmax_stats,
+                             temp_softmax_stats, num_requests, cu_q_seq_lens, merge_op,
+                             num_heads, head_size))
+    except ValueError as error:  # the layout's check, before any launch: say it in our terms
+        if not str(error).startswith("kvsplit: unsupported vectors"):
+            raise
+        dtype = str(merged_attn.dtype).removeprefix("torch.")
+        raise ValueError(f"head_size {head_size} is not supported with {dtype} attention by "
+                         f"the in-place merge (a row's threads must fit one warp, 1, 2 or 4 "
+                         f"16-byte vectors each, none idle a step): 64, 128, 256 and 512 "
+                         f"are") from error

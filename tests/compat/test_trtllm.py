@@ -295,6 +295,21 @@ def test_trtllm_checks_before_writing():
     assert (attn == 3).all() and (stats == 3).all()
 
 
+@pytest.mark.parametrize("head_size", [40, 96, 192, 576])
+def test_trtllm_head_size_the_in_place_merge_cannot_take(head_size):
+    """A head size whose row the in-place kernel cannot lay out: a ValueError naming
+    head_size, nothing written (on the CPU, whose configs follow the CUDA kernel's rules)."""
+    device = "cpu"
+    attn = torch.full((6, 2, head_size), 3.0, dtype=torch.bfloat16, device=device)
+    stats = torch.full((6, 2, 2), 3.0, device=device)
+    with pytest.raises(ValueError, match=f"^head_size {head_size} is not supported with "
+                                         f"bfloat16 attention by the in-place merge"):
+        trtllm.merge_chunked_attention_for_mla(attn, attn.clone(), stats, stats.clone(), 1,
+                                               torch.tensor([0, 6], device=device), 6,
+                                               torch.tensor([1], device=device), 2, head_size)
+    assert (attn == 3).all() and (stats == 3).all()
+
+
 class _Ops(TorchDispatchMode):
     """Records the element count of every floating-point tensor an op returns."""
 

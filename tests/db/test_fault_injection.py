@@ -319,6 +319,8 @@ def every_command(url: str, tmp: Path, import_file: Path) -> dict[str, list[str]
     readers = commands(url, tmp, import_file, render=False)
     return {
         **{k: v for k, v in readers.items() if k not in ("repair-dry-run", "import")},
+        "tune-status": ["tune", "--status", "--db", url, "--devices", "cpu", "--head-dim", "64",
+                        "--num-splits", "4", "--rows", "2"],
         "prune": ["db", "prune", "--db", url, "--older-than", "0s"],
         "repair": ["db", "repair", "--db", url, "--quarantine", str(tmp / "q.jsonl")],
         "import": ["db", "import", str(import_file), "--db", url, "--replace"],
@@ -356,7 +358,7 @@ def _assert_exit_3(results, names, remedy):
 def test_a_missing_file_is_never_created_by_a_command_that_only_reads(tmp_path, h200_file):
     path = tmp_path / "typo.sqlite"
     results = _outcomes(f"sqlite:///{path}", tmp_path, h200_file)
-    readers = ("list", "show", "stats", "export", "plot", "prune", "repair")
+    readers = ("list", "show", "stats", "export", "plot", "tune-status", "prune", "repair")
     _assert_exit_3(results, readers, "no such database file")
     assert results["info"].code == 0 and "not created yet" in results["info"].out
     # import creates the database; tune, run after it, adds its key.

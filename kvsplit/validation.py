@@ -305,16 +305,23 @@ def _store_bytes(partial_dtype: torch.dtype, out_dtype: torch.dtype) -> int:
     return min(16, 16 // partial_dtype.itemsize * out_dtype.itemsize)
 
 
+def misaligned_dim(tensor: torch.Tensor, unit: int) -> Optional[int]:
+    """The first dim but the last (of more than one element) whose stride is not a whole
+    number of ``unit`` bytes, or None: the kernels load and store whole vectors of a row."""
+    size_of = tensor.element_size()
+    for dim, (size, stride) in enumerate(zip(tensor.shape[:-1], tensor.stride()[:-1])):
+        if size > 1 and (stride * size_of) % unit:
+            return dim
+    return None
+
+
 def _check_strides(partial_o: torch.Tensor, out: Optional[torch.Tensor], out_dtype) -> None:
-    elem = partial_o.dtype.itemsize
-    shape, strides = partial_o.shape, partial_o.stride()
-    for dim in range(len(shape) - 1):
-        if shape[dim] > 1 and (strides[dim] * elem) % 16:
-            raise ValueError(f"partial_o: stride {strides[dim]} of dim {dim} is not a "
-                             "multiple of 16 bytes")
+    dim = misaligned_dim(partial_o, 16)
+    if dim is not None:
+        raise ValueError(f"partial_o: stride {partial_o.stride(dim)} of dim {dim} is not a "
+                         "multiple of 16 bytes")
     store_bytes = _store_bytes(partial_o.dtype, out_dtype)
-    if out is not None and any(size > 1 and (stride * out_dtype.itemsize) % store_bytes
-                               for size, stride in zip(out.shape[:-1], out.stride()[:-1])):
+    if out is not None and misaligned_dim(out, store_bytes) is not None:
         raise ValueError(f"out and each of its rows must be {store_bytes}-byte aligned")
 
 

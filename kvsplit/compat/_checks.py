@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import head_dim_rule, head_dim_supported
-from ..validation import _store_bytes, check_dense, same_layout
+from ..validation import _store_bytes, check_dense, misaligned_dim, same_layout
 
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -105,10 +105,10 @@ def vector_strides(name: str, value: torch.Tensor, dims: str, *,
     16 bytes for states, for an output (``partial_dtype``: the states' dtype) the bytes
     that 16 bytes of states become. ``dims``: the dim names as the engine writes them."""
     unit = 16 if partial_dtype is None else _store_bytes(partial_dtype, value.dtype)
-    names = [part.strip() for part in dims.strip("()[]").split(",")]
-    size_of = value.element_size()
-    for dim, (size, stride) in enumerate(zip(value.shape[:-1], value.stride()[:-1])):
-        if size > 1 and (stride * size_of) % unit:
-            raise ValueError(f"{name}: the stride of {names[dim]} is {stride} elements, "
-                             f"{stride * size_of} bytes, not a multiple of {unit} bytes "
-                             f"(strides {value.stride()})")
+    dim = misaligned_dim(value, unit)
+    if dim is not None:
+        names = [part.strip() for part in dims.strip("()[]").split(",")]
+        stride = value.stride(dim)
+        raise ValueError(f"{name}: the stride of {names[dim]} is {stride} elements, "
+                         f"{stride * value.element_size()} bytes, not a multiple of {unit} "
+                         f"bytes (strides {value.stride()})")

@@ -26,7 +26,8 @@ import torch
 
 from .._call import merge_call
 from .._kernel import ROLES, call_fast, call_form
-from ..config import head_dim_rule, head_dim_supported
+from ..config import KernelConfig, head_dim_rule, head_dim_supported
+from ..dispatch.constraints import few_mended
 from ..validation import LSE, Extras
 from . import _checks
 
@@ -68,6 +69,12 @@ def _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num
     if not head_dim_supported(head_size, dtype_name):
         raise ValueError(f"head_size {head_size} is not supported with {dtype_name} attention; "
                          f"use {head_dim_rule(dtype_name)}")
+    # Only the Few family runs per-request ops, in place here: the dispatcher's own rule.
+    if few_mended(KernelConfig.few(1), head_dim=head_size, elem_bytes=merged_attn.element_size(),
+                  stats_in_place=True) is None:
+        raise ValueError(f"head_size {head_size} is not supported with {dtype_name} attention by "
+                         f"the in-place merge (a row's threads must fit one warp, 1, 2 or 4 "
+                         f"16-byte vectors each, none idle a step): 64, 128, 256 and 512 are")
     if merged_softmax_stats.dtype != torch.float32 or temp_softmax_stats.dtype != torch.float32:
         raise TypeError(f"merged_softmax_stats and temp_softmax_stats must be float32, got "
                         f"{merged_softmax_stats.dtype} and {temp_softmax_stats.dtype}")
@@ -146,17 +153,8 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
     temp_stats = temp_softmax_stats.view(-1, num_heads, 2)[:tokens, :, 0]
     extras = Extras(request_starts=cu_q_seq_lens[:num_requests + 1],
                     request_ops=merge_op[:num_requests], pair_stats=True)
-    try:
-        merge_call(LSE, (attn, temp), (stats, temp_stats), math.e, out=attn, out_stats=stats,
-                   stats_in_place=True, extras=extras, names=_NAMES,
-                   register=(_FORM, False, merged_attn, temp_attn, merged_softmax_stats,
-                             temp_softmax_stats, num_requests, cu_q_seq_lens, merge_op,
-                             num_heads, head_size))
-    except ValueError as error:  # the layout's check, before any launch: say it in our terms
-        if not str(error).startswith("kvsplit: unsupported vectors"):
-            raise
-        dtype = str(merged_attn.dtype).removeprefix("torch.")
-        raise ValueError(f"head_size {head_size} is not supported with {dtype} attention by "
-                         f"the in-place merge (a row's threads must fit one warp, 1, 2 or 4 "
-                         f"16-byte vectors each, none idle a step): 64, 128, 256 and 512 "
-                         f"are") from error
+    merge_call(LSE, (attn, temp), (stats, temp_stats), math.e, out=attn, out_stats=stats,
+               stats_in_place=True, extras=extras, names=_NAMES,
+               register=(_FORM, False, merged_attn, temp_attn, merged_softmax_stats,
+                         temp_softmax_stats, num_requests, cu_q_seq_lens, merge_op, num_heads,
+                         head_size))

@@ -25,6 +25,15 @@ the dispatcher's choice are made by the warm-up), ``out`` given:
                            views, outputs given where the adapter takes them,
                            allocated where it allocates), so that the
                            difference is what the adapter's layer costs.
+  <engine> <op>, engine's  (GPU, with the engines' suites folder: --engine-suites,
+  Triton op                default $KVSPLIT_ENGINE_SUITES or .suites, assembled by
+                           ../shared/engine-suites; nothing of it is in this repository)
+                           the engine's own Triton op on the adapter's tensors:
+                           vLLM's merge_attn_states, SGLang's Triton merge_state,
+                           FlashInfer's Triton merge_state and merge_states;
+  <style> CUDA merge       (GPU, nvcc on the machine) benchmarks/peer_kernels.cu's
+  (ctypes)                 vLLM-style and FlashInfer-style two-state kernels through
+                           ctypes, as a C++ op without the Python checks would cost.
 All variants are timed in turns, eight rounds (each a warm-up and five samples
 of 1000 calls), the lowest round median kept: neighbours in the table run
 within microseconds of each other, so that a drifting host touches them alike.
@@ -37,7 +46,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -46,6 +57,9 @@ import torch
 import kvsplit
 from kvsplit import _kernel, _native, merge
 from kvsplit.dispatch.dispatcher import dispatcher
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def variants(device: str):
@@ -167,6 +181,69 @@ def adapter_calls(device: str) -> dict:
     }
 
 
+# The adapter each CUDA peer is compared with (the engines' Triton ops: the name before ", ").
+ENGINE_ADAPTER = {"vLLM-style CUDA merge (ctypes)": "vllm merge_attn_states",
+                  "FlashInfer-style CUDA merge (ctypes)": "sglang merge_state_v2, outs given"}
+
+
+def engine_calls(suites: pathlib.Path | None) -> dict:
+    """{name: call} of the engines' own ops (and the CUDA peers) on the adapters' tensors."""
+    g = torch.Generator().manual_seed(5)
+    tokens, heads, head_dim = 1, 8, 64
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).cuda()
+
+    po, so = t(tokens, heads, head_dim), t(tokens, heads, head_dim)
+    pl, sl = t(heads, tokens, dtype=torch.float32), t(heads, tokens, dtype=torch.float32)
+    out = torch.empty_like(po)
+    s_a, s_b = pl.t().contiguous(), sl.t().contiguous()
+    v_m, s_m = torch.empty_like(po), torch.empty_like(s_a)
+    fi_v = torch.stack([po, so], 1).contiguous()
+    fi_s = torch.stack([s_a, s_b], 1).contiguous()
+    calls = {}
+    if suites is not None and suites.is_dir():
+        sys.path[:0] = [str(suites / "vllm"), str(suites / "fi"), str(suites / "sglang")]
+        try:
+            from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states
+            calls["vllm merge_attn_states, vLLM's Triton op"] = lambda: merge_attn_states(
+                out, po, pl, so, sl)
+        except ImportError as error:
+            print(f"  (no vLLM Triton op: {error})")
+        try:
+            from flashinfer.triton import cascade
+            calls["flashinfer merge_state (allocates), FlashInfer's Triton op"] = (
+                lambda: cascade.merge_state(po, s_a, so, s_b))
+            calls["flashinfer merge_states (allocates), FlashInfer's Triton op"] = (
+                lambda: cascade.merge_states(fi_v, fi_s))
+        except ImportError as error:
+            print(f"  (no FlashInfer Triton ops: {error})")
+        try:
+            sys.path.insert(0, str(suites / "sglang" / "tests"))
+            from test_merge_state_v2 import merge_state_triton
+            calls["sglang merge_state_v2, outs given, SGLang's Triton op"] = (
+                lambda: merge_state_triton(po, s_a, so, s_b, v_m, s_m))
+        except ImportError as error:
+            print(f"  (no SGLang Triton op: {error})")
+    try:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        import peers_cuda
+        peers_cuda.library()
+        calls["vLLM-style CUDA merge (ctypes)"] = lambda: peers_cuda.two_state_vllm(
+            po, pl.t(), so, sl.t(), out)
+        calls["FlashInfer-style CUDA merge (ctypes)"] = lambda: peers_cuda.two_state_flashinfer(
+            po, s_a, so, s_b, v_m, s_m)
+    except (ImportError, RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        print(f"  (no CUDA peers: {error})")
+    for name, call in list(calls.items()):  # compile (Triton) and check each once
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - an engine's op that cannot run here is left out
+            print(f"  ({name} left out: {type(error).__name__}: {error})")
+            del calls[name]
+    return calls
+
+
 def measure(table: dict, device: str, rounds: int = 8, calls: int = 1000) -> dict[str, float]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     result: dict[str, float] = {}
@@ -191,8 +268,14 @@ def main() -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--engine-suites", type=pathlib.Path,
+                        default=os.environ.get("KVSPLIT_ENGINE_SUITES") or ROOT / ".suites",
+                        help="the engines' suites folder, whose Triton ops are timed beside "
+                             "the adapters (GPU)")
     args = parser.parse_args()
     table, shape = variants(args.device)
+    if args.device == "cuda":
+        table.update(engine_calls(args.engine_suites))
     result = measure(table, args.device)
     merge_name = next(iter(result))
     print(f"host time per call ({args.device}, {shape}, no sync, cache hit, out given):")
@@ -207,6 +290,17 @@ def main() -> int:
         if f"{name} plain" in result:
             plain = result[f"{name} plain"]
             print(f"    {name:38s} {us:6.2f} us, plain {plain:6.2f} us: {us - plain:+5.2f} us")
+    engine_ops = {name: us for name, us in result.items()
+                  if name.endswith(("Triton op", "(ctypes)"))}
+    if engine_ops:
+        print("  the engines' own ops on the adapters' tensors (same process, in turns):")
+        for name, us in engine_ops.items():
+            adapter = ENGINE_ADAPTER.get(name, name.rsplit(", ", 1)[0])
+            if adapter in result:
+                print(f"    {name:60s} {us:6.2f} us; adapter {result[adapter]:6.2f} us: "
+                      f"{result[adapter] - us:+6.2f} us")
+            else:
+                print(f"    {name:60s} {us:6.2f} us")
     print(f"  fast path served {_kernel.fast_info()['hits']} calls (enabled: {_kernel.FAST_CALL})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -98,7 +98,7 @@ def merge_call(fmt, partial_o, stats, scalar, *, sinks=None, split_counts=None, 
         if split_counts is not None:
             raise ValueError("split_counts cannot be combined with indptr (indptr gives each "
                              "token its states)")
-        partial_o, stats, key_splits = varlen_view(fmt, partial_o, stats, extras.indptr)
+        partial_o, stats, key_splits = varlen_view(fmt, partial_o, stats, extras.indptr, names)
     try:
         key = ("call", fmt, _metas(partial_o), _metas(stats),
                None if out is None else _meta(out), None if out_stats is None else _meta(out_stats),

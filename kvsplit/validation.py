@@ -255,8 +255,12 @@ def _check_extras(extras: Extras, fmt: int, out_dtype: torch.dtype, row_shape: t
                       row_shape + (head_dim // group,), device, None)
     if not isinstance(extras.ue8m0, bool):
         raise TypeError(f"ue8m0 must be a bool, got {type(extras.ue8m0).__name__}")
+    if extras.ue8m0 and extras.group_scales is None:
+        raise ValueError("ue8m0 rounds per-group scales (group_scales) to powers of two; "
+                         "this call has none")
     if extras.pass_through_from is not None:
-        tokens = math.prod(row_shape) // heads
+        # (tokens, heads) rows: the tokens even where there are no heads.
+        tokens = math.prod(row_shape) // heads if heads else math.prod(row_shape[:-1])
         if not _is_int(extras.pass_through_from):
             raise TypeError(f"pass_through_from must be an int, got "
                             f"{type(extras.pass_through_from).__name__}")
@@ -375,11 +379,16 @@ def _stack_view(name: str, parts) -> torch.Tensor:
     return first.as_strided((len(parts),) + tuple(first.shape), (0,) + first.stride())
 
 
-def varlen_view(fmt, partial_o, stats, indptr):
+def varlen_view(fmt, partial_o, stats, indptr, names=None):
     """Variable-length states as a layout: ``partial_o`` (nnz, [heads,] head_dim) and
     ``stats`` (nnz, [heads][, 2]) become (nnz, tokens, ...) views whose token stride is 0
-    (a row's states are found through ``indptr``, tokens = len(indptr) - 1)."""
-    for name, value in (("indptr", indptr), ("partial_o", partial_o), (_stats_name(fmt), stats)):
+    (a row's states are found through ``indptr``, tokens = len(indptr) - 1). ``names``:
+    the caller's names of partial_o and the stats in errors (``{"partial_o": ...,
+    "stats": ...}``)."""
+    given = dict(names or ())
+    o_name = given.get("partial_o", "partial_o")
+    s_name = given.get("stats", _stats_name(fmt))
+    for name, value in (("indptr", indptr), (o_name, partial_o), (s_name, stats)):
         if not isinstance(value, torch.Tensor):
             raise _type_error(name, value)
         check_dense(name, value)
@@ -387,10 +396,16 @@ def varlen_view(fmt, partial_o, stats, indptr):
         raise ValueError(f"indptr must be a 1-D int32 or int64 tensor of tokens + 1 offsets, got "
                          f"{indptr.dtype} {tuple(indptr.shape)}")
     if partial_o.dim() not in (2, 3):
-        raise ValueError(f"with indptr, partial_o must be (nnz, head_dim) or (nnz, heads, "
+        raise ValueError(f"with indptr, {o_name} must be (nnz, head_dim) or (nnz, heads, "
                          f"head_dim), got {partial_o.dim()}-D")
+    want = tuple(partial_o.shape[:-1]) + ((2,) if fmt == MAXSUM else ())
+    if tuple(stats.shape) != want:
+        dims = {(3, False): "(nnz, heads)", (2, False): "(nnz,)", (3, True): "(nnz, heads, 2)",
+                (2, True): "(nnz, 2)"}[partial_o.dim(), fmt == MAXSUM]
+        raise ValueError(f"with indptr, {s_name} must be {dims}, {want} for {o_name} "
+                         f"{tuple(partial_o.shape)}, got {tuple(stats.shape)}")
     if indptr.device != partial_o.device:
-        raise ValueError(f"indptr is on {indptr.device} but partial_o is on {partial_o.device}")
+        raise ValueError(f"indptr is on {indptr.device} but {o_name} is on {partial_o.device}")
     if indptr.stride(0) != 1:
         raise ValueError("indptr must be contiguous")
     tokens = indptr.shape[0] - 1
@@ -401,7 +416,7 @@ def varlen_view(fmt, partial_o, stats, indptr):
         if offsets[0] < 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
             raise ValueError("indptr must be non-decreasing from 0 or more")
         if offsets[-1] > nnz:
-            raise ValueError(f"indptr ends at {offsets[-1]}, past the {nnz} states of partial_o")
+            raise ValueError(f"indptr ends at {offsets[-1]}, past the {nnz} states of {o_name}")
     if nnz == 0:  # no states: every range is empty; one empty state stands in for them
         partial_o = partial_o.new_zeros((1,) + tuple(partial_o.shape[1:]))
         empty = stats.new_full((1,) + tuple(stats.shape[1:]), -math.inf)

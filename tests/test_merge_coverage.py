@@ -13,11 +13,13 @@ with no step of a row empty.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 import kvsplit
+from kvsplit import reference
 from kvsplit.config import KVSPLIT, KernelConfig, legal_configs
 
 pytestmark = pytest.mark.usefixtures("dispatch_sandbox")
@@ -307,6 +309,9 @@ def lse_args(head_dim=64, dtype=torch.bfloat16, num_splits=3, rows=4):
     (dict(out_dtype=torch.float8_e4m3fn, group_scales=torch.ones(4, 1, dtype=torch.float16),
           quant_group=64), TypeError, "group_scales"),
     (dict(out_dtype=torch.float8_e4m3fn, quant_group=64), ValueError, "group_scales"),
+    (dict(out_dtype=torch.bfloat16, ue8m0=True), ValueError, "ue8m0 rounds per-group scales"),
+    (dict(out_dtype=torch.float8_e4m3fn, out_scale=torch.ones(1), ue8m0=True), ValueError,
+     "ue8m0 rounds per-group scales"),
     (dict(pass_through_from=5), ValueError, "pass_through_from"),
     (dict(pass_through_from=-1), ValueError, "pass_through_from"),
     (dict(pass_through_from=1.5), TypeError, "pass_through_from"),
@@ -393,6 +398,40 @@ def test_bad_indptr_is_refused(indptr, words):
     partial_o, lse = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3)
     with pytest.raises(ValueError, match=words):
         kvsplit.merge_lse(partial_o, lse, indptr=indptr)
+
+
+@pytest.mark.parametrize("fmt, stats_shape, words", [
+    ("lse", (2, 2), "partial_lse must be (nnz, heads), (3, 2) for partial_o (3, 2, 64), got (2, 2)"),
+    ("lse", (3,), "partial_lse must be (nnz, heads), (3, 2) for partial_o (3, 2, 64), got (3,)"),
+    ("maxsum", (3, 2, 3),
+     "partial_stats must be (nnz, heads, 2), (3, 2, 2) for partial_o (3, 2, 64), got (3, 2, 3)"),
+])
+def test_indptr_stats_of_another_shape_are_named_as_given(fmt, stats_shape, words):
+    """The stats of variable-length states against partial_o's rows, in the shapes the
+    caller passed (not the (nnz, tokens, ...) views the call makes of them)."""
+    partial_o = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    out = torch.full((2, 2, 64), 7.0, dtype=torch.bfloat16)
+    call = kvsplit.merge_lse if fmt == "lse" else (
+        lambda o, s, **kw: kvsplit.merge_maxsum(o, s, 1.0, **kw))
+    with pytest.raises(ValueError, match="^with indptr, " + re.escape(words) + "$"):
+        call(partial_o, torch.zeros(stats_shape), indptr=torch.tensor([0, 1, 3]), out=out)
+    assert (out == 7).all()
+
+
+@pytest.mark.parametrize("heads", [0, 3])
+def test_pass_through_rows_of_no_heads_or_some(heads):
+    """Pass-through counts tokens whatever the heads: no heads is an empty merge."""
+    gen = torch.Generator().manual_seed(heads)
+    partial_o = torch.randn(2, 4, heads, 64, generator=gen).bfloat16()
+    lse = torch.randn(2, 4, heads, generator=gen)
+    out = kvsplit.merge_lse(partial_o, lse, pass_through_from=2)
+    assert out.shape == (4, heads, 64)
+    ref = reference.merge_lse_reference(partial_o.reshape(2, 4 * heads, 64),
+                                        lse.reshape(2, 4 * heads))[0].reshape(4, heads, 64)
+    ref[2:] = partial_o[1, 2:].double()
+    torch.testing.assert_close(out.double(), ref, rtol=2 ** -8, atol=1e-5)
+    with pytest.raises(ValueError, match=r"pass_through_from must be 0\.\.4"):
+        kvsplit.merge_lse(partial_o, lse, pass_through_from=5)
 
 
 @pytest.mark.parametrize("head_dim, dtype", [(4, torch.bfloat16), (100, torch.bfloat16),

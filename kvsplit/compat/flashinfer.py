@@ -30,6 +30,8 @@ _LSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _STATES_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"), ("out_stats", "s_merged"))
 _STATE_NAMES = (("o_parts", ("v_a", "v_b")), ("s_parts", ("s_a", "s_b")), ("out", "v_merged"),
                 ("out_stats", "s_merged"))
+_VARLEN_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"),
+                 ("out_stats", "s_merged"))
 _IN_PLACE_NAMES = (("o_parts", ("v", "v_other")), ("s_parts", ("s", "s_other")), ("out", "v"),
                    ("out_stats", "s"), ("mask", "mask"))
 
@@ -157,7 +159,8 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
     seq_len, num_heads, head_dim = indptr.shape[0] - 1, v.shape[1], v.shape[2]
     v_merged = torch.empty(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device)
     s_merged = torch.empty(seq_len, num_heads, dtype=torch.float32, device=v.device)
-    merge_call(LSE, v, s, 2.0, out=v_merged, out_stats=s_merged, extras=Extras(indptr=indptr))
+    merge_call(LSE, v, s, 2.0, out=v_merged, out_stats=s_merged, extras=Extras(indptr=indptr),
+               names=_VARLEN_NAMES)
     return v_merged, s_merged
 
 

@@ -73,8 +73,9 @@ def _check(merged_attn, temp_attn, merged_softmax_stats, temp_softmax_stats, num
     if few_mended(KernelConfig.few(1), head_dim=head_size, elem_bytes=merged_attn.element_size(),
                   stats_in_place=True) is None:
         raise ValueError(f"head_size {head_size} is not supported with {dtype_name} attention by "
-                         f"the in-place merge (a row's threads must fit one warp, 1, 2 or 4 "
-                         f"16-byte vectors each, none idle a step): 64, 128, 256 and 512 are")
+                         f"the in-place merge (a row in one warp: 1, 2 or 4 16-byte vectors a "
+                         f"thread, a count of threads that divides 32, none idle a step; e.g. "
+                         f"64, 128, 256 and 512)")
     if merged_softmax_stats.dtype != torch.float32 or temp_softmax_stats.dtype != torch.float32:
         raise TypeError(f"merged_softmax_stats and temp_softmax_stats must be float32, got "
                         f"{merged_softmax_stats.dtype} and {temp_softmax_stats.dtype}")
@@ -115,7 +116,11 @@ def merge_chunked_attention_for_mla(merged_attn: torch.Tensor, temp_attn: torch.
     merged_attn, temp_attn : Tensor, contiguous, (tokens, num_heads, head_size) values
         float16, float32 or bfloat16 (one dtype), normalised attention; any shape
         holding whole tokens (TensorRT-LLM passes 2-D and 3-D tensors). head_size
-        any multiple of 16 bytes up to 1024 (TensorRT-LLM: 128 only).
+        (TensorRT-LLM: 128 only) a multiple of 16 bytes up to 1024 whose row the
+        in-place merge lays out in one warp: 1, 2 or 4 16-byte vectors a thread, a
+        count of threads that divides 32, none idle a step (16-bit: 8-32, 56, 64,
+        104-128, 232-256, 488-512, 1000-1024; not 80, 96, 192 or 576); a ValueError
+        names any other.
     merged_softmax_stats, temp_softmax_stats : Tensor, float32, contiguous
         (tokens, num_heads, 2) pairs (max of the scaled logits, sum), base e; they
         may hold more tokens than merged_attn (the extra ones are not touched).

@@ -134,6 +134,10 @@ def cases(device):
         "flashinfer merge_states sparse v": (
             lambda: flashinfer.merge_states(v.to_sparse(), s),
             TypeError, r"v must be a dense \(strided\) tensor"),
+        "flashinfer variable_length indptr past the states": (
+            lambda: flashinfer.variable_length_merge_states(
+                o, lse.t(), torch.tensor([0, 1, 5], device=device)),
+            ValueError, r"^indptr ends at 5, past the 4 states of v$"),
         "flashinfer variable_length sparse indptr": (
             lambda: flashinfer.variable_length_merge_states(
                 o, lse.t(), torch.tensor([0, 1, 4], device=device).to_sparse()),

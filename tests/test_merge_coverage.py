@@ -155,18 +155,23 @@ def test_fp8_output_with_one_scale(device, fp8, head_dim, dtype, merge_kit, monk
                          ids=["float32", "float32-ue8m0", "e8m0"])
 @pytest.mark.parametrize("quant_group", [64, 128])
 @pytest.mark.parametrize("head_dim", [128, 192, 512, 576])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],
+                         ids=lambda d: str(d).removeprefix("torch."))
 def test_fp8_output_with_per_group_scales(device, head_dim, quant_group, scales_dtype, ue8m0,
-                                          merge_kit, monkeypatch):
+                                          dtype, merge_kit, monkeypatch):
+    """Per-group scales from bf16 partials (a group of 64 is 8 lanes of 16-byte vectors)
+    and float32 ones (16 lanes)."""
     if head_dim % quant_group:
         pytest.skip("the group must divide head_dim")
     fp8 = torch.float8_e4m3fn
-    gen = merge_kit.generator("fp8-group", head_dim, quant_group, str(scales_dtype), ue8m0)
+    gen = merge_kit.generator("fp8-group", head_dim, quant_group, str(scales_dtype), ue8m0,
+                              str(dtype))
     num_splits, tokens, heads = 6, 5, 3
     rows = tokens * heads
-    partial_o, lse = merge_kit.partials("lse2", num_splits, rows, head_dim, torch.bfloat16, gen)
-    # Groups of very different magnitudes, one all zero.
-    partial_o = partial_o * torch.logspace(-3, 3, head_dim // quant_group).repeat_interleave(
-        quant_group)
+    partial_o, lse = merge_kit.partials("lse2", num_splits, rows, head_dim, dtype, gen)
+    # Groups of very different magnitudes, one all zero (in the partials' own dtype).
+    partial_o = (partial_o.float() * torch.logspace(-3, 3, head_dim // quant_group)
+                 .repeat_interleave(quant_group)).to(dtype)
     partial_o[:, 0, :quant_group] = 0
     ref_out, _ = merge_kit.reference("lse2", partial_o, lse)
     groups = ref_out.view(rows, -1, quant_group)
@@ -175,7 +180,8 @@ def test_fp8_output_with_per_group_scales(device, head_dim, quant_group, scales_
         ref_scales = torch.exp2(torch.ceil(torch.log2(ref_scales)))
     expected = fp8_reference(groups, ref_scales.unsqueeze(-1), fp8).view(rows, head_dim)
     view = lambda t: t.view(num_splits, tokens, heads, *t.shape[2:])  # noqa: E731
-    for config in some_configs(head_dim, torch.bfloat16, num_splits, device, gen):
+    assert partial_o.dtype == dtype
+    for config in some_configs(head_dim, dtype, num_splits, device, gen):
         pin(monkeypatch, config)
         # Column-major scales, as DeepGEMM reads them: (tokens, heads, groups) with groups slowest.
         scales = torch.full((head_dim // quant_group, tokens, heads), 7.0).to(

@@ -62,3 +62,42 @@ def test_pdl_inside_a_cuda_graph(cuda_device, monkeypatch, mode):
     torch.cuda.synchronize()
     ref, _ = merge_maxsum_reference(o.cpu(), stats.cpu(), 0.5)
     assert ((out.double().cpu() - ref).norm() / ref.norm()).item() < 4e-3
+
+
+@pytest.mark.parametrize("num_splits, rows, head_dim", [
+    (2, 35, 128), (2, 35, 80), (4, 35, 128), (3, 35, 64), (2, 8192, 128), (8, 512, 128)])
+def test_pdl_chained_after_a_producer_on_the_lean_instances(cuda_device, monkeypatch,
+                                                            num_splits, rows, head_dim):
+    """Few's lean kernel and its packed pair, divided pair and four-state instances (whose
+    threads past the rows leave before the merge): with PDL each waits for the producer of
+    its partials, as the general kernel does."""
+    from cuda_profile import profiled_kernels
+
+    monkeypatch.setenv("KVSPLIT_PDL", "1")
+    monkeypatch.setenv("KVSPLIT_MODE", "few:1")
+    g = torch.Generator().manual_seed(num_splits * rows + head_dim)
+    source_o, stats = random_partials(num_splits, rows, head_dim, generator=g)
+    source = source_o.to("cuda", torch.bfloat16)
+    stats = stats.cuda()
+    ref, _ = merge_maxsum_reference(source.cpu(), stats.cpu(), 0.3)
+    partial_o = torch.zeros_like(source)
+    out = torch.full((rows, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kvsplit.merge_maxsum(partial_o, stats, 0.3, out=out)  # the layout's first call
+
+    def chained():
+        partial_o.zero_()
+        out.fill_(float("nan"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # keep the producer late
+            partial_o.copy_(source)
+            kvsplit.merge_maxsum(partial_o, stats, 0.3, out=out)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    names, _ = profiled_kernels(chained)
+    merges = [name for name in names if "few_" in name]
+    assert len(merges) == 1 and "few_kernel" not in merges[0], names
+    error = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert error < 4e-3

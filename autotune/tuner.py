@@ -23,7 +23,7 @@ import math
 import torch
 
 from .. import _kernel
-from ..config import (BASELINE, DSPLIT, DTYPE_CODES, FEW, KVSPLIT, MAXSUM_FORMAT,
+from ..config import (BASELINE, DSPLIT, DTYPE_BYTES, DTYPE_CODES, FEW, KVSPLIT, MAXSUM_FORMAT,
                       STATS_FORMAT_CODES, KernelConfig, split_stats_format)
 from ..db import CandidateResult, TuningPolicy, TuningRecord
 from ..export import tool_version
@@ -126,6 +126,20 @@ def simplicity(config: KernelConfig) -> tuple[int, int, int, int, int]:
 #: Floats between the stats of adjacent rows in scattered scratch: a 32-byte sector each,
 #: as a head-major LSE of 8 or more tokens has them.
 SCATTERED_ROW_FLOATS = 8
+
+
+def scratch_bytes(key) -> int:
+    """The most memory a first-use profile of ``key`` (at its own rows and num_splits)
+    holds at once: the scratch states (made in float32, then converted), their stats, the
+    output and two float32 copies of it (the reference and a candidate's, compared)."""
+    stats_format, scattered = split_stats_format(key.stats_format)
+    stats_floats = (SCATTERED_ROW_FLOATS if scattered
+                    else 2 if stats_format == MAXSUM_FORMAT else 1)
+    elements = key.num_splits * key.rows * key.head_dim
+    states = elements * (4 + DTYPE_BYTES[key.partial_dtype])
+    stats = key.num_splits * key.rows * stats_floats * 4 * 2
+    outputs = key.rows * key.head_dim * (DTYPE_BYTES[key.out_dtype] + 8)
+    return states + stats + outputs
 
 
 class _Scratch:

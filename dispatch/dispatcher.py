@@ -18,7 +18,9 @@ shape, decides in this order:
    a table made before a family existed does not keep that family from it;
    such a record's winner serves a capture in place of the heuristic);
 5. ``auto``: profile the key now (never during CUDA-graph capture: then the
-   heuristic serves, nothing is cached and the key is recorded as pending);
+   heuristic serves, nothing is cached and the key is recorded as pending; nor
+   where the profile's scratch would take more than PROFILE_MEMORY_SHARE of the
+   device's free memory: then the heuristic serves and the key is pending);
    ``cached``: the heuristic.
 
 A choice is a :class:`~kvsplit.config.KernelConfig` of any family. Whatever
@@ -65,8 +67,29 @@ MAXSUM = STATS_FORMAT_CODES[MAXSUM_FORMAT]
 _LIBRARY_DB_TIMEOUT_S = 5.0
 #: Decisions that come from a table of winners: a refresh that changes their key drops them.
 _TABLE_SOURCES = ("database", "shipped", "heuristic", "tuned")
+#: A first-use profile runs only where its scratch takes at most this share of the memory
+#: free on its device (the call's own tensors need the rest); a larger key is served by the
+#: heuristic and left pending for `kvsplit tune --pending`.
+PROFILE_MEMORY_SHARE = 0.5
 MODES = ("auto", "cached", "off") + tuple(str(k) for k in KV_SPLITS) + (
     "dsplit:SLICES:KV_SPLIT[:DEPTH]", "few:VECTORS")
+
+
+def free_memory(facts: DeviceFacts, device: torch.device) -> int | None:
+    """Bytes free for a first-use profile on ``device``: the GPU's free memory and what
+    torch's caching allocator holds unused; on the CPU the kernel's MemAvailable; None
+    where unknown."""
+    try:
+        if facts.is_cuda:
+            free, _ = torch.cuda.mem_get_info(device)
+            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _fixed_config(mode: str) -> KernelConfig | None:
@@ -286,6 +309,16 @@ class Dispatcher:
             stored = table.get(key.choice_key)
             if stored is not None:
                 return Decision(constrained(stored), "database", key)
+            need = tuner.scratch_bytes(tuner.at_shape(key, shape))
+            free = free_memory(facts, device)
+            if free is not None and need > PROFILE_MEMORY_SHARE * free:
+                pending_keys.add(key)
+                warnings.warn(f"kvsplit: {key.shape_label} is not profiled at first use: its "
+                              f"scratch inputs would take {need / 2 ** 30:.2f} GiB of the "
+                              f"{free / 2 ** 30:.2f} GiB free; calls of this shape use the "
+                              f"heuristic config {fallback.label} (`kvsplit tune --pending` "
+                              f"tunes the key ahead of time)", RuntimeWarning, stacklevel=2)
+                return Decision(constrained(fallback), "heuristic", key)
             # Tuned without the caller's cap: the record goes to a shared
             # database; the cap applies to this call through constrained().
             configs = configs_for_key(key, is_cuda=facts.is_cuda, shape=shape)

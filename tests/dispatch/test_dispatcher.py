@@ -477,6 +477,49 @@ def test_a_miss_during_capture_is_served_by_the_heuristic_and_left_pending(monke
     assert pending._keys == set()
 
 
+# -- a key whose profile would not fit in memory ------------------------------------------------
+
+def test_a_key_whose_scratch_would_not_fit_is_served_by_the_heuristic_and_left_pending(
+        monkeypatch, tuner_calls, isolated, keys):
+    """A first-use profile makes scratch inputs of the call's size: where they would take more
+    than half the memory free on the device, the heuristic serves (cached: one warning),
+    nothing is profiled and the key is pending for an offline tune; with room, it profiles."""
+    shape = (64, torch.bfloat16, torch.bfloat16, 0, 24, 48)
+    key = keys.key_for(64, 24, 48)
+    need = tuner.scratch_bytes(tuner.at_shape(key, (48, 24)))
+    # 24 states of 48 rows of 64 (float32, then bf16), their (max, sum) stats (made twice),
+    # the bf16 output and two float32 copies of it
+    assert need == 24 * 48 * 64 * 6 + 24 * 48 * 2 * 4 * 2 + 48 * 64 * 10
+    free = 2 * need - 1
+    monkeypatch.setattr(dispatch_module, "free_memory", lambda facts, device: free)
+    the_dispatcher = dispatch_module.dispatcher
+    heuristic_k = constrain(spec_heuristic(24), head_dim=64, elem_bytes=2, rows=48, num_splits=24,
+                            sm_count=None)
+    with pytest.warns(RuntimeWarning, match=r"is not profiled at first use: its scratch inputs "
+                                            r"would take 0\.00 GiB"):
+        chosen, _ = the_dispatcher.choose_config(CPU_FACTS, torch.device("cpu"), *shape, None)
+    assert chosen == kvsplit_config(heuristic_k) and tuner_calls.keys == []
+    assert the_dispatcher.explain(CPU_FACTS, *shape).source == "heuristic"
+    assert pending._keys == {key} and pending.load() == [key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cached: no second warning
+        assert the_dispatcher.choose_config(CPU_FACTS, torch.device("cpu"), *shape, None)[0] == chosen
+    the_dispatcher.forget()
+    free = 2 * need  # room enough: the key is profiled
+    the_dispatcher.choose_config(CPU_FACTS, torch.device("cpu"), *shape, None)
+    assert tuner_calls.keys == [key]
+    assert the_dispatcher.explain(CPU_FACTS, *shape).source == "tuned"
+
+
+def test_free_memory_reads_the_cpu_and_the_gpu(monkeypatch):
+    assert dispatch_module.free_memory(CPU_FACTS, torch.device("cpu")) > 0
+    gpu = DeviceFacts("Simulated GPU", 9, 0, 132, True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 << 20)
+    assert dispatch_module.free_memory(gpu, torch.device("cuda", 0)) == (3 << 30) + (4 << 20)
+
+
 # -- a GPU that no shipped table covers -------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["auto", "cached"])

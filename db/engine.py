@@ -7,7 +7,9 @@ import ctypes
 import errno
 import os
 import re
+import sqlite3
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +215,24 @@ def create_db_engine(target: Target | str, *, timeout_s: float = DEFAULT_TIMEOUT
     return engine
 
 
+def set_wal(dbapi_connection, timeout_s: float) -> None:
+    """``PRAGMA journal_mode = WAL`` on a new connection, retried for up to ``timeout_s``: on
+    a new file that other processes open at the same moment, the change can fail at once with
+    "database is locked" (SQLite takes no busy timeout there), where it succeeds a moment
+    later."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            dbapi_connection.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+
+
 def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_connection, connection_record):  # noqa: ANN001
@@ -222,7 +242,7 @@ def _install_sqlite_listeners(engine: Engine, timeout_s: float) -> None:
         # Invalid UTF-8 must not fail the whole query: it reads back with surrogates, which rows.py calls damage.
         dbapi_connection.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
         dbapi_connection.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")  # first: WAL itself needs the lock
-        dbapi_connection.execute("PRAGMA journal_mode = WAL")
+        set_wal(dbapi_connection, timeout_s)
         # NORMAL is safe under WAL (a power cut may lose the last commits) and spares an fsync per upsert.
         dbapi_connection.execute("PRAGMA synchronous = NORMAL")
         dbapi_connection.execute("PRAGMA foreign_keys = ON")

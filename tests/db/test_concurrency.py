@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 import time
 
 import dbtestlib
@@ -85,3 +86,31 @@ def test_racing_first_opens_create_the_schema_once(db_url, openers):
     with ctx.Pool(openers) as pool:
         results = pool.map(dbtestlib.open_and_count, [db_url] * openers)
     assert results == [0] * openers
+
+
+class _LockedAtFirst:
+    """A DB-API connection whose journal-mode change fails ``times`` times with "database is
+    locked", as SQLite's does at once while other processes open a new file."""
+
+    def __init__(self, times: int):
+        self.left, self.tries = times, 0
+
+    def execute(self, sql: str):
+        assert sql == "PRAGMA journal_mode = WAL"
+        self.tries += 1
+        if self.left:
+            self.left -= 1
+            raise sqlite3.OperationalError("database is locked")
+
+
+def test_a_journal_mode_change_that_finds_the_file_locked_is_retried():
+    from kvsplit.db.engine import set_wal
+
+    connection = _LockedAtFirst(3)
+    set_wal(connection, timeout_s=5.0)
+    assert connection.tries == 4
+    stuck = _LockedAtFirst(10 ** 6)
+    begin = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+        set_wal(stuck, timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - begin < 2 and stuck.tries > 2

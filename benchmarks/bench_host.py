@@ -62,7 +62,7 @@ from kvsplit.dispatch.dispatcher import dispatcher
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def variants(device: str):
+def variants(device: str, suites: pathlib.Path | None = None):
     g = torch.Generator().manual_seed(3)
     ext = _native.ext()
     if device == "cuda":
@@ -104,7 +104,7 @@ def variants(device: str):
     else:
         table["raw binding"] = lambda: ext.merge_cpu(launch, *addresses, scale)
     table["aten out.add_(0)"] = lambda: out.add_(0)
-    table.update(adapter_calls(device))
+    table.update(adapter_calls(device, suites))
     # What the Python path adds to the raw binding, piece by piece:
     table["  Python path, of which: layout key + launch lookup"] = lambda: merge._layout_launch(
         fmt, o, stats, scalar, None, None, out, False, None)
@@ -115,8 +115,9 @@ def variants(device: str):
     return table, f"D={head_dim} rows={rows} N={num_splits}"
 
 
-def adapter_calls(device: str) -> dict:
-    """{name: call} of each adapter at a two-state decode merge, outputs as its engine has them."""
+def adapter_calls(device: str, suites: pathlib.Path | None = None) -> dict:
+    """{name: call} of each adapter at a two-state decode merge, outputs as its engine has them,
+    and on a GPU the engines' own ops on the same tensors (:func:`engine_calls`)."""
     from kvsplit.compat import flash_attn, flashinfer, sglang, trtllm, vllm, xformers
 
     g = torch.Generator().manual_seed(5)
@@ -150,7 +151,7 @@ def adapter_calls(device: str) -> dict:
     trt_temp_stats = trt_stats.clone()
     trt_bounds = torch.tensor([0, tokens], device=device)
     trt_ops = torch.ones(1, dtype=torch.int64, device=device)
-    return {
+    calls = {
         "trtllm merge_chunked_attention_for_mla": lambda: trtllm.merge_chunked_attention_for_mla(
             trt_attn, trt_temp, trt_stats, trt_temp_stats, 1, trt_bounds, tokens, trt_ops, heads,
             head_dim),
@@ -179,6 +180,9 @@ def adapter_calls(device: str) -> dict:
         "xformers merge_attentions (allocates) plain": lambda: kvsplit.merge_lse(
             x_parts, x_lse, base=e, return_lse=True),
     }
+    if device == "cuda":
+        calls.update(engine_calls(suites, po, pl, so, sl, s_a, s_b, out, v_m, s_m, fi_v, fi_s))
+    return calls
 
 
 # The adapter each CUDA peer is compared with (the engines' Triton ops: the name before ", ").
@@ -186,21 +190,10 @@ ENGINE_ADAPTER = {"vLLM-style CUDA merge (ctypes)": "vllm merge_attn_states",
                   "FlashInfer-style CUDA merge (ctypes)": "sglang merge_state_v2, outs given"}
 
 
-def engine_calls(suites: pathlib.Path | None) -> dict:
-    """{name: call} of the engines' own ops (and the CUDA peers) on the adapters' tensors."""
-    g = torch.Generator().manual_seed(5)
-    tokens, heads, head_dim = 1, 8, 64
-
-    def t(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=g).to(dtype).cuda()
-
-    po, so = t(tokens, heads, head_dim), t(tokens, heads, head_dim)
-    pl, sl = t(heads, tokens, dtype=torch.float32), t(heads, tokens, dtype=torch.float32)
-    out = torch.empty_like(po)
-    s_a, s_b = pl.t().contiguous(), sl.t().contiguous()
-    v_m, s_m = torch.empty_like(po), torch.empty_like(s_a)
-    fi_v = torch.stack([po, so], 1).contiguous()
-    fi_s = torch.stack([s_a, s_b], 1).contiguous()
+def engine_calls(suites: pathlib.Path | None, po, pl, so, sl, s_a, s_b, out, v_m, s_m, fi_v,
+                 fi_s) -> dict:
+    """{name: call} of the engines' own ops (and the CUDA peers) on the adapters' tensors
+    (:func:`adapter_calls`'s: the states, head-major and token-major LSEs, outputs)."""
     calls = {}
     if suites is not None and suites.is_dir():
         sys.path[:0] = [str(suites / "vllm"), str(suites / "fi"), str(suites / "sglang")]
@@ -273,9 +266,7 @@ def main() -> int:
                         help="the engines' suites folder, whose Triton ops are timed beside "
                              "the adapters (GPU)")
     args = parser.parse_args()
-    table, shape = variants(args.device)
-    if args.device == "cuda":
-        table.update(engine_calls(args.engine_suites))
+    table, shape = variants(args.device, args.engine_suites)
     result = measure(table, args.device)
     merge_name = next(iter(result))
     print(f"host time per call ({args.device}, {shape}, no sync, cache hit, out given):")

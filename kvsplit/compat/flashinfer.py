@@ -30,8 +30,6 @@ _LSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _STATES_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"), ("out_stats", "s_merged"))
 _STATE_NAMES = (("o_parts", ("v_a", "v_b")), ("s_parts", ("s_a", "s_b")), ("out", "v_merged"),
                 ("out_stats", "s_merged"))
-_VARLEN_NAMES = (("partial_o", "v"), ("stats", "s"), ("out", "v_merged"),
-                 ("out_stats", "s_merged"))
 _IN_PLACE_NAMES = (("o_parts", ("v", "v_other")), ("s_parts", ("s", "s_other")), ("out", "v"),
                    ("out_stats", "s"), ("mask", "mask"))
 
@@ -160,7 +158,7 @@ def variable_length_merge_states(v: torch.Tensor, s: torch.Tensor,
     v_merged = torch.empty(seq_len, num_heads, head_dim, dtype=v.dtype, device=v.device)
     s_merged = torch.empty(seq_len, num_heads, dtype=torch.float32, device=v.device)
     merge_call(LSE, v, s, 2.0, out=v_merged, out_stats=s_merged, extras=Extras(indptr=indptr),
-               names=_VARLEN_NAMES)
+               names=_STATES_NAMES)
     return v_merged, s_merged
 
 
